@@ -1,0 +1,1 @@
+"""clover_batch.connectors"""
