@@ -1,17 +1,145 @@
 """The `clover-batch` command line: thin typer commands that each call one function.
 
 Job commands (`validate`, `run`, `show`) live here; model commands (`model init`, `model inspect`, `generate`)
-live in `jobs/model_cli.py` and are mounted below.
+live in `jobs/model_cli.py` and are mounted below. Library code logs; only this module draws on the screen.
 """
 
 from __future__ import annotations
 
-import typer
+import json
+import logging
+from typing import Annotated
 
+import typer
 from clover_batch.jobs.model_cli import register_model_commands
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 app = typer.Typer(help="Run the Clover diffusion MoE model over collections of documents.", no_args_is_help=True)
 register_model_commands(app)
+
+console = Console()
+err_console = Console(stderr=True)
+
+JobArg = Annotated[str, typer.Argument(help="Path to the job YAML file.")]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a job field: key.path=value (repeatable), e.g. resources.replicas=2."),
+]
+
+
+def _load(job: str, overrides: list[str] | None):
+    from clover_batch.jobs.spec import JobSpecError, load_job
+
+    try:
+        return load_job(job, overrides or [])
+    except JobSpecError as e:
+        err_console.print(f"[red]{e}[/red]", highlight=False)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def validate(job: JobArg, set_: SetOpt = None) -> None:
+    """Check a job file; print the resolved job, or the fields that are wrong."""
+    spec = _load(job, set_)
+    console.print_json(json.dumps(spec.model_dump(mode="json")))
+    console.print(f"[green]{job}: valid[/green]")
+
+
+@app.command()
+def run(
+    job: JobArg,
+    set_: SetOpt = None,
+    address: Annotated[
+        str | None, typer.Option(help="Ray cluster address; default RAY_ADDRESS, else a local Ray.")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show library logs.")] = False,
+) -> None:
+    """Run a job: every new document of the input gets one row in the output's Parquet files."""
+    from clover_batch.jobs.runner import run as run_job
+
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    spec = _load(job, set_)
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[statuses]}"),
+    ]
+    with Progress(*columns, console=console, transient=False) as bar:
+        task_id = bar.add_task(spec.name, total=None, statuses="listing")
+
+        def on_progress(p) -> None:
+            statuses = " ".join(f"{k}={v}" for k, v in sorted(p.by_status.items()))
+            bar.update(task_id, total=p.total, completed=p.done, statuses=statuses)
+
+        result = run_job(spec, address=address, on_progress=on_progress)
+    _print_report(result.report)
+    console.print(f"run report: {result.report_uri}")
+
+
+def _print_report(report: dict) -> None:
+    table = Table(
+        title=f"run {report['run_id']}: {report['processed']} processed, {report['skipped_done']} already done"
+    )
+    table.add_column("status")
+    table.add_column("documents", justify="right")
+    for status, n in report["by_status"].items():
+        table.add_row(status, str(n))
+    console.print(table)
+    stages = Table(title="seconds per stage (summed over documents)")
+    for stage in report["stage_seconds"]:
+        stages.add_column(stage, justify="right")
+    stages.add_row(*(f"{v:.2f}" for v in report["stage_seconds"].values()))
+    console.print(stages)
+    console.print(
+        f"{report['wall_seconds']:.1f} s wall, {report['documents_per_second']:.2f} documents/s, "
+        f"{report['output_tokens']} output tokens ({report['output_tokens_per_second']:.1f} tokens/s), "
+        f"{report['output_rows']} rows in the output"
+    )
+
+
+@app.command()
+def show(
+    output: Annotated[str, typer.Argument(help="Output folder (path or URI) of a job.")],
+    option: Annotated[
+        list[str] | None, typer.Option("--option", "-o", help="fsspec storage option key=value (repeatable).")
+    ] = None,
+    samples: Annotated[int, typer.Option(help="Sample rows per status.")] = 2,
+) -> None:
+    """Show an output folder: rows by status and a few sample rows."""
+    import yaml
+    from clover_batch.connectors.fs import Location
+    from clover_batch.jobs.inspect_output import summarize_output
+
+    options = {k: yaml.safe_load(v) for k, _, v in (o.partition("=") for o in option or [])}
+    summary = summarize_output(Location(output, options), samples=samples)
+    if not summary.rows:
+        err_console.print(f"no committed rows under {output}")
+        raise typer.Exit(1)
+    counts = Table(title=f"{summary.uri}: {summary.rows} rows in {summary.parts} parts")
+    counts.add_column("status")
+    counts.add_column("rows", justify="right")
+    for status, n in summary.by_status.items():
+        counts.add_row(status, str(n))
+    console.print(counts)
+    rows = Table(title="sample rows", show_lines=True)
+    for col in ("source_uri", "status", "in", "out", "output / error"):
+        rows.add_column(col, overflow="fold")
+    for r in summary.samples:
+        text = r["output_text"] if r["status"] == "ok" else r["error"]
+        rows.add_row(
+            r["source_uri"],
+            r["status"],
+            str(r["input_tokens"] or ""),
+            str(r["output_tokens"] or ""),
+            (text or "")[:200],
+        )
+    console.print(rows)
 
 
 def main() -> None:

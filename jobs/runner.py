@@ -1,0 +1,166 @@
+"""Running a job: wire the job spec to connectors/ and pipeline/, run it on Ray, write the run report.
+
+`run(spec)` is idempotent: documents with a committed row in the output are skipped, parts half-written by a
+killed run are removed first, and each document of this run is committed in exactly one part (connectors/sink.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import ray
+from clover_batch.connectors.faults import fault_config
+from clover_batch.connectors.fs import Location, list_documents
+from clover_batch.connectors.sink import clean_temporaries, done_doc_ids, read_output, write_report
+from clover_batch.jobs.spec import JobSpec
+from clover_batch.pipeline.builder import PipelineOptions, build_pipeline
+from clover_batch.pipeline.postprocess import FieldRule
+from clover_batch.pipeline.rows import STAGES
+from clover_batch.pipeline.stages import ModelRef, TaskRef
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    """What the run has done so far, passed to the progress callback after each committed part."""
+
+    total: int  # documents to process in this run
+    done: int = 0
+    by_status: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    run_id: str
+    report: dict[str, Any]  # the JSON run report
+    report_uri: str
+
+
+def new_run_id() -> str:
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+
+
+def init_ray(address: str | None) -> bool:
+    """Connect to `address` / RAY_ADDRESS, or start a local Ray; returns True if this call started it."""
+    if ray.is_initialized():
+        return False
+    runtime_env = {"env_vars": fault_config()} if fault_config() else None
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+    return True
+
+
+def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
+    task = spec.task
+    fields = tuple(
+        FieldRule(name, f.type, f.description, f.required) for name, f in getattr(task, "fields", {}).items()
+    )
+    return PipelineOptions(
+        input=Location(spec.input.uri, spec.input.storage_options),
+        output=Location(spec.output.uri, spec.output.storage_options),
+        model=ModelRef(spec.model.source, spec.model.dtype, spec.model.storage_options, spec.model.cache_dir),
+        task=TaskRef(task.kind, task.instruction, fields),
+        decode=spec.decode.model_dump(),
+        job_name=spec.name,
+        run_id=run_id,
+        replicas=spec.resources.replicas,
+        cpus_per_replica=spec.resources.cpus_per_replica,
+        gpus_per_replica=spec.resources.gpus_per_replica,
+        batch_size=spec.resources.batch_size,
+        rows_per_file=spec.output.rows_per_file,
+        max_file_bytes=spec.input.max_file_bytes,
+        max_input_tokens=spec.input.max_input_tokens,
+        fallback_encoding=spec.input.fallback_encoding,
+    )
+
+
+def run(
+    spec: JobSpec,
+    *,
+    address: str | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+    run_id: str | None = None,
+) -> RunResult:
+    """Process every listed document that has no committed row yet; returns the run report."""
+    run_id = run_id or new_run_id()
+    opts = pipeline_options(spec, run_id)
+    started_ray = init_ray(address)
+    try:
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False  # the CLI draws its own progress; Ray's bars would fight it
+        ctx.print_on_execution_start = False
+        start = time.perf_counter()
+        removed = clean_temporaries(opts.output)
+        listed = list_documents(opts.input, spec.input.include, spec.input.exclude)
+        done = done_doc_ids(opts.output)
+        pending = [d for d in listed if d.doc_id not in done]
+        log.info(
+            "run %s: %d listed, %d already done, %d to process",
+            run_id,
+            len(listed),
+            len(listed) - len(pending),
+            len(pending),
+        )
+        progress = Progress(total=len(pending))
+        if on_progress:
+            on_progress(progress)
+        totals: dict[str, float] = dict.fromkeys((*STAGES, "write"), 0.0)
+        tokens_in = tokens_out = 0
+        if pending:
+            for batch in build_pipeline(pending, opts).iter_batches(batch_size=None, batch_format="pyarrow"):
+                for row in batch.to_pylist():
+                    progress.done += 1
+                    progress.by_status[row["status"]] += 1
+                    tokens_in += row["input_tokens"] or 0
+                    tokens_out += row["output_tokens"] or 0
+                    for stage, seconds in (row["timings"] or {}).items():
+                        totals[stage] += seconds or 0.0
+                    totals["write"] += row["write_seconds"] or 0.0
+                if on_progress:
+                    on_progress(progress)
+        wall = time.perf_counter() - start
+        output = read_output(opts.output, columns=["status"])
+        report = {
+            "run_id": run_id,
+            "job_name": spec.name,
+            "model": spec.model.source,
+            "task": spec.task.kind,
+            "input_uri": spec.input.uri,
+            "output_uri": spec.output.uri,
+            "finished_at": datetime.now(UTC).isoformat(),
+            "listed": len(listed),
+            "skipped_done": len(listed) - len(pending),
+            "processed": progress.done,
+            "removed_temporaries": removed,
+            "by_status": dict(sorted(progress.by_status.items())),
+            "output_rows": 0 if output is None else output.num_rows,
+            "input_tokens": tokens_in,
+            "output_tokens": tokens_out,
+            "wall_seconds": wall,
+            "documents_per_second": progress.done / wall if wall > 0 else 0.0,
+            "output_tokens_per_second": tokens_out / wall if wall > 0 else 0.0,
+            "stage_seconds": totals,
+            "job": spec.model_dump(
+                mode="json",
+                exclude={"input": {"storage_options"}, "output": {"storage_options"}, "model": {"storage_options"}},
+            ),
+        }
+        report_uri = write_report(opts.output, run_id, report)
+        log.info("run %s finished: %s", run_id, report["by_status"])
+        return RunResult(run_id, report, report_uri)
+    finally:
+        if started_ray:
+            ray.shutdown()

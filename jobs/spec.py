@@ -1,0 +1,211 @@
+"""The job file: a pydantic schema with a description on every field, loaded from YAML with `--set` overrides.
+
+Validation errors name the field by its dotted path (`resources.replicas: Input should be greater than 0`);
+unknown fields are errors everywhere (extra="forbid"), so a typo never silently becomes a default.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputSpec(_Strict):
+    uri: str = Field(
+        description="Folder (or single file) holding the documents: a local path, s3://, gs://, az:// or memory:// URI."
+    )
+    include: list[str] = Field(
+        default=["*"],
+        description="Glob patterns a document must match. A pattern without "
+        "'/' matches the file name, one with '/' the path relative to `uri`.",
+    )
+    exclude: list[str] = Field(default=[], description="Glob patterns that drop a document even if included.")
+    storage_options: dict[str, Any] = Field(
+        default={},
+        description="fsspec options for the input filesystem, "
+        "e.g. {endpoint_url, key, secret} for S3-compatible stores.",
+    )
+    max_file_bytes: int = Field(
+        default=256 * 2**20, gt=0, description="Files larger than this get status `too_large` without being read."
+    )
+    max_input_tokens: int = Field(
+        default=1_048_576,
+        gt=0,
+        description="Documents whose prompt is longer than "
+        "this many tokens get status `too_long` instead of being run.",
+    )
+    fallback_encoding: str | None = Field(
+        default=None,
+        description="Encoding tried when a text file is not "
+        "UTF-8 (e.g. 'cp1252'). Unset: such files get status `decode_error`.",
+    )
+
+
+class OutputSpec(_Strict):
+    uri: str = Field(description="Folder for the Parquet result parts and run reports (local path or URI).")
+    storage_options: dict[str, Any] = Field(default={}, description="fsspec options for the output filesystem.")
+    rows_per_file: int = Field(
+        default=64,
+        gt=0,
+        description="Rows per committed Parquet part. Smaller parts lose "
+        "less work when a run is killed; larger ones make fewer files.",
+    )
+
+
+class ModelSpec(_Strict):
+    source: str = Field(
+        default="tiny",
+        description="A preset name (tiny, tiny-ar, bench, bench-ar, "
+        "clover-35b-a3b), a checkpoint folder, or a checkpoint URI (copied once per node).",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="Weight and activation dtype.")
+    storage_options: dict[str, Any] = Field(default={}, description="fsspec options when `source` is a URI.")
+    cache_dir: str | None = Field(
+        default=None,
+        description="Local folder for checkpoints copied from URIs (default: ~/.cache/clover-batch/checkpoints).",
+    )
+    expert_parallel: int = Field(default=1, ge=1, description="Devices one replica's experts are spread over.")
+
+
+class ExtractField(_Strict):
+    type: Literal["string", "integer", "number", "boolean", "list[string]"] = Field(
+        description="JSON type the answer must give for this field."
+    )
+    description: str = Field(default="", description="What the field means; shown to the model.")
+    required: bool = Field(default=True, description="Whether a missing value makes the row `invalid_output`.")
+
+
+class SummarizeTask(_Strict):
+    kind: Literal["summarize"] = Field(description="Summarize each document.")
+    instruction: str = Field(
+        default="Summarize the document.",
+        min_length=1,
+        description="Instruction placed before the document in the prompt.",
+    )
+
+
+class ExtractTask(_Strict):
+    kind: Literal["extract"] = Field(description="Extract named fields from each document as JSON.")
+    instruction: str = Field(
+        default="Extract the following fields from the document.",
+        min_length=1,
+        description="Instruction placed before the field list in the prompt.",
+    )
+    fields: dict[str, ExtractField] = Field(
+        min_length=1,
+        description="Fields to extract: name -> type and "
+        "description. The answer must be one JSON object with these keys.",
+    )
+
+    @model_validator(mode="after")
+    def _field_names(self) -> ExtractTask:
+        for name in self.fields:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"field name {name!r} must be an identifier (letters, digits, underscore)")
+        return self
+
+
+class DecodeSpec(_Strict):
+    max_new_tokens: int = Field(default=256, gt=0, description="Most tokens generated per document.")
+    threshold: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="Diffusion: confidence needed to fill a masked position in a denoising step.",
+    )
+    tokens_per_step: int | None = Field(
+        default=None,
+        gt=0,
+        description="Diffusion: fill exactly this many positions per step instead of using the threshold.",
+    )
+    temperature: float = Field(default=0.0, ge=0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    seed: int | None = Field(default=None, description="Random seed for sampling.")
+    window_tokens: int | None = Field(default=None, gt=0, description="Override the model's attention window.")
+    prefill_chunk_tokens: int | None = Field(default=None, gt=0, description="Override tokens per prefill pass.")
+
+
+class ResourcesSpec(_Strict):
+    replicas: int = Field(default=1, ge=1, description="Model replicas (Ray actors) in the inference pool.")
+    gpus_per_replica: float = Field(default=0, ge=0, description="GPUs reserved per replica (0 on CPU).")
+    cpus_per_replica: float = Field(
+        default=1, gt=0, description="CPUs reserved per replica; also the torch thread count of the replica."
+    )
+    batch_size: int = Field(default=4, ge=1, description="Documents decoded together in one generate() call.")
+
+
+class JobSpec(_Strict):
+    name: str = Field(
+        min_length=1,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Job name, recorded in every output row (letters, digits, . _ -).",
+    )
+    input: InputSpec = Field(description="Where the documents are.")
+    output: OutputSpec = Field(description="Where the results go.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="Which model runs.")
+    task: Annotated[SummarizeTask | ExtractTask, Field(discriminator="kind")] = Field(
+        description="What to do with each document: summarize or extract."
+    )
+    decode: DecodeSpec = Field(default_factory=DecodeSpec, description="Decoding options.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Actor pool resources.")
+
+
+class JobSpecError(ValueError):
+    """A job file that cannot be used; `problems` has one 'field.path: message' line per problem."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.problems = problems
+        super().__init__(f"invalid job {source}:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def _field_path(loc: tuple) -> str:
+    # Drop the discriminator tag pydantic inserts for tagged unions ("task.summarize.instruction").
+    parts = [str(p) for p in loc if p not in ("summarize", "extract")]
+    return ".".join(parts) or "(job)"
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key.path=value` overrides; values are parsed as YAML scalars (2 -> int, true -> bool)."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise JobSpecError("--set", [f"{item!r}: expected key.path=value"])
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise JobSpecError("--set", [f"{key}: {part} is not a mapping"])
+            node = child
+        node[leaf] = yaml.safe_load(value) if value else ""
+    return raw
+
+
+def parse_job(raw: Any, source: str = "job") -> JobSpec:
+    if not isinstance(raw, dict):
+        raise JobSpecError(source, ["(job): the job file must be a YAML mapping"])
+    try:
+        return JobSpec.model_validate(raw)
+    except ValidationError as e:
+        raise JobSpecError(source, [f"{_field_path(err['loc'])}: {err['msg']}" for err in e.errors()]) from None
+
+
+def load_job(path: str, overrides: list[str] | None = None) -> JobSpec:
+    """Read, override and validate a job file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except OSError as e:
+        raise JobSpecError(path, [f"(file): {e.strerror}"]) from None
+    except yaml.YAMLError as e:
+        raise JobSpecError(path, [f"(yaml): {e}"]) from None
+    return parse_job(apply_overrides(raw or {}, overrides or []), path)

@@ -1,0 +1,85 @@
+"""The Ray Data chain, as one linear sequence of map_batches calls:
+
+    listed documents -> read -> parse -> tokenize -> infer (actor pool) -> postprocess -> write parts -> stats
+
+The driver lists the documents (connectors/) and hands the pending ones in; what comes out is one small stats row
+per document, for progress and the run report. Results themselves are committed to Parquet by the write stage in
+the workers, so nothing large flows back to the driver, and the driver and workers need not share a disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from clover_batch.connectors.fs import DocumentRef, Location
+from clover_batch.pipeline.rows import WORK_SCHEMA, to_table
+from clover_batch.pipeline.stages import (
+    InferStage,
+    ModelRef,
+    ParseStage,
+    PostprocessStage,
+    ReadStage,
+    TaskRef,
+    TokenizeStage,
+    WriteStage,
+)
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """Everything the chain needs, in plain values (the job schema stays in jobs/)."""
+
+    input: Location
+    output: Location
+    model: ModelRef
+    task: TaskRef
+    decode: dict[str, Any]  # keyword arguments of clover_batch.model.generate
+    job_name: str
+    run_id: str
+    replicas: int = 1
+    cpus_per_replica: float = 1.0
+    gpus_per_replica: float = 0.0
+    batch_size: int = 4  # documents per generate() call
+    rows_per_file: int = 64
+    max_file_bytes: int = 256 * 2**20
+    max_input_tokens: int = 1_048_576
+    fallback_encoding: str | None = None
+    prep_batch_size: int = 4  # documents per read/parse/tokenize task call
+    extra_ray_args: dict[str, Any] = field(default_factory=dict)
+
+
+def build_pipeline(docs: list[DocumentRef], opts: PipelineOptions) -> ray.data.Dataset:
+    """The lazy dataset of per-document stats rows; iterating it runs the job."""
+    table = to_table([d.to_row() for d in docs], WORK_SCHEMA)
+    # Small input blocks, so reading and parsing stream into the actors instead of waiting on one big block.
+    step = max(opts.prep_batch_size, -(-len(docs) // 256))
+    ds = ray.data.from_arrow([table.slice(i, step) for i in range(0, len(docs), step)])
+    fmt = {"batch_format": "pyarrow", "zero_copy_batch": False}
+    return (
+        ds.map_batches(
+            ReadStage(opts.input.storage_options, opts.max_file_bytes), batch_size=opts.prep_batch_size, **fmt
+        )
+        .map_batches(ParseStage(opts.fallback_encoding), batch_size=opts.prep_batch_size, **fmt)
+        .map_batches(
+            TokenizeStage(opts.model, opts.task, opts.max_input_tokens), batch_size=opts.prep_batch_size, **fmt
+        )
+        .map_batches(
+            InferStage,
+            fn_constructor_kwargs={
+                "model": opts.model,
+                "decode": opts.decode,
+                "num_threads": max(1, int(opts.cpus_per_replica)),
+            },
+            compute=ray.data.ActorPoolStrategy(size=opts.replicas),
+            num_cpus=opts.cpus_per_replica,
+            num_gpus=opts.gpus_per_replica,
+            batch_size=opts.batch_size,
+            **fmt,
+        )
+        .map_batches(
+            PostprocessStage(opts.model, opts.task, opts.job_name, opts.run_id), batch_size=opts.batch_size, **fmt
+        )
+        .map_batches(WriteStage(opts.output, opts.run_id), batch_size=opts.rows_per_file, **fmt)
+    )

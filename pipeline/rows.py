@@ -1,0 +1,91 @@
+"""Row schemas of the pipeline: the working row every stage passes on, and the output row written to Parquet.
+
+Every stage reads and returns the full working schema (explicit, so blocks always unify and all-null columns keep
+their types). Status "ok" means "fine so far"; a stage that fails a document sets a named status and message and
+later stages pass the row through untouched, so every document reaches the sink as exactly one row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pyarrow as pa
+
+STAGES = ("read", "parse", "tokenize", "prefill", "decode", "infer", "postprocess")
+TIMINGS_TYPE = pa.struct([(s, pa.float64()) for s in STAGES])
+
+OUTPUT_SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.string()),  # sha256(source_uri + version)[:32]
+        ("source_uri", pa.string()),
+        ("version", pa.string()),  # etag, or mtime-size
+        ("size", pa.int64()),  # bytes
+        ("format", pa.string()),  # pdf | text | markdown | <extension>
+        ("pages", pa.int32()),  # PDF pages, null for text
+        ("status", pa.string()),  # ok | named error kind
+        ("error", pa.string()),  # message when status != ok
+        ("output_text", pa.large_string()),
+        ("output_json", pa.string()),  # extract: the checked JSON object as text
+        ("input_tokens", pa.int64()),
+        ("output_tokens", pa.int64()),
+        ("windows", pa.int32()),  # attention windows the prompt spanned
+        ("forward_passes", pa.int64()),
+        ("denoising_steps", pa.int64()),
+        ("stopped", pa.string()),  # eos | length
+        ("timings", TIMINGS_TYPE),  # seconds per stage; batch-level stages (infer) are per batch
+        ("model", pa.string()),
+        ("task", pa.string()),  # summarize | extract
+        ("job_name", pa.string()),
+        ("run_id", pa.string()),
+    ]
+)
+
+WORK_SCHEMA = pa.schema(
+    [
+        *OUTPUT_SCHEMA,
+        pa.field("data", pa.large_binary()),  # raw bytes, read -> parse
+        pa.field("text", pa.large_string()),  # parsed text, parse -> tokenize
+        pa.field("prompt_ids", pa.list_(pa.int32())),  # tokenize -> infer
+        pa.field("output_ids", pa.list_(pa.int32())),  # infer -> postprocess
+    ]
+)
+
+STATS_SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.string()),
+        ("status", pa.string()),
+        ("input_tokens", pa.int64()),
+        ("output_tokens", pa.int64()),
+        ("timings", TIMINGS_TYPE),
+        ("part_uri", pa.string()),
+        ("write_seconds", pa.float64()),
+    ]
+)
+
+
+def to_rows(batch: pa.Table) -> list[dict[str, Any]]:
+    return batch.to_pylist()
+
+
+def to_table(rows: list[dict[str, Any]], schema: pa.Schema = WORK_SCHEMA) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def fail(row: dict[str, Any], status: str, error: str) -> None:
+    """Mark a row failed and drop its heavy payloads so they do not travel further."""
+    row.update(status=status, error=error, data=None, text=None, prompt_ids=None, output_ids=None)
+
+
+@contextmanager
+def timed(rows: list[dict[str, Any]] | dict[str, Any], stage: str) -> Iterator[None]:
+    """Add the seconds spent in the block to `timings[stage]` of one row or of each row of a batch."""
+    start = time.perf_counter()
+    yield
+    seconds = time.perf_counter() - start
+    for row in rows if isinstance(rows, list) else [rows]:
+        timings = dict(row.get("timings") or {})
+        timings[stage] = (timings.get(stage) or 0.0) + seconds
+        row["timings"] = timings

@@ -1,0 +1,226 @@
+"""Pipeline stages: small classes, setup in `__init__`, `__call__(batch: pa.Table) -> pa.Table` does the work.
+
+read -> parse -> tokenize are cheap, stateless tasks (Ray fuses them); `InferStage` is the actor that holds one
+model replica and decodes a batch of documents with one generate() call; postprocess decodes and checks answers;
+`WriteStage` commits each batch as one Parquet part and passes on only small stats rows for progress and the report.
+Stages never raise for a bad document: they set its status (see pipeline/parse.py and pipeline/rows.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+from clover_batch.connectors.checkpoint import local_checkpoint
+from clover_batch.connectors.faults import fault_point
+from clover_batch.connectors.fs import Location, read_bytes
+from clover_batch.connectors.sink import write_part
+from clover_batch.pipeline.parse import parse_document
+from clover_batch.pipeline.postprocess import FieldRule, check_extraction, extraction_instruction
+from clover_batch.pipeline.rows import (
+    OUTPUT_SCHEMA,
+    STATS_SCHEMA,
+    fail,
+    timed,
+    to_rows,
+    to_table,
+)
+from clover_batch.pipeline.tokenizer import PromptBuilder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """Where a replica gets its model and tokenizer."""
+
+    source: str  # preset, folder or URI
+    dtype: str = "float32"  # float32 | bfloat16
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    cache_dir: str | None = None
+
+    def local(self) -> str:
+        return local_checkpoint(self.source, self.storage_options, self.cache_dir)
+
+
+@dataclass(frozen=True)
+class TaskRef:
+    """What to ask of each document."""
+
+    kind: str  # summarize | extract
+    instruction: str
+    fields: tuple[FieldRule, ...] = ()  # extract only
+
+    def prompt_instruction(self) -> str:
+        return (
+            extraction_instruction(self.instruction, list(self.fields)) if self.kind == "extract" else self.instruction
+        )
+
+
+def _ok(row: dict[str, Any]) -> bool:
+    return row["status"] == "ok"
+
+
+class ReadStage:
+    """Fetch each document's bytes (needs: source_uri, size)."""
+
+    def __init__(self, storage_options: dict[str, Any], max_file_bytes: int):
+        self.storage_options = storage_options
+        self.max_file_bytes = max_file_bytes
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = to_rows(batch)
+        for row in rows:
+            row["status"] = "ok"
+            if row["size"] > self.max_file_bytes:
+                fail(row, "too_large", f"{row['size']} bytes is over input.max_file_bytes={self.max_file_bytes}")
+                continue
+            with timed(row, "read"):
+                try:
+                    row["data"] = read_bytes(row["source_uri"], self.storage_options, self.max_file_bytes)
+                except Exception as e:  # storage errors are per document; the run goes on
+                    fail(row, "read_error", f"cannot read: {type(e).__name__}: {e}")
+        return to_table(rows)
+
+
+class ParseStage:
+    """Bytes -> text (needs: data, source_uri)."""
+
+    def __init__(self, fallback_encoding: str | None):
+        self.fallback_encoding = fallback_encoding
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = to_rows(batch)
+        for row in rows:
+            if not _ok(row):
+                continue
+            with timed(row, "parse"):
+                parsed = parse_document(row["source_uri"], row["data"], fallback_encoding=self.fallback_encoding)
+            row.update(format=parsed.format, pages=parsed.pages, data=None, text=parsed.text)
+            if parsed.status != "ok":
+                fail(row, parsed.status, parsed.error)
+        return to_table(rows)
+
+
+class TokenizeStage:
+    """Text -> prompt token ids (needs: text); documents over the limit get `too_long`."""
+
+    def __init__(self, model: ModelRef, task: TaskRef, max_input_tokens: int):
+        self.model = model
+        self.instruction = task.prompt_instruction()
+        self.max_input_tokens = max_input_tokens
+        self._builder: PromptBuilder | None = None  # built on first use, in the worker
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        if self._builder is None:
+            self._builder = PromptBuilder(self.model.local())
+        rows = to_rows(batch)
+        for row in rows:
+            if not _ok(row):
+                continue
+            with timed(row, "tokenize"):
+                ids = self._builder.build(self.instruction, row["text"])
+            row.update(text=None, input_tokens=len(ids))
+            if len(ids) > self.max_input_tokens:
+                fail(
+                    row, "too_long", f"prompt is {len(ids)} tokens, over input.max_input_tokens={self.max_input_tokens}"
+                )
+            else:
+                row["prompt_ids"] = ids
+        return to_table(rows)
+
+
+class InferStage:
+    """One model replica (a Ray actor): decodes the batch's good documents together in one generate() call."""
+
+    def __init__(self, model: ModelRef, decode: dict[str, Any], num_threads: int):
+        import torch
+        from clover_batch.model import load_model
+
+        torch.set_num_threads(max(1, num_threads))
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[model.dtype]
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = load_model(model.local(), device=device, dtype=dtype)
+        self.decode = decode
+        log.info("replica loaded %s on %s", self.model.config.name, device)
+
+    def _generate(self, rows: list[dict[str, Any]]) -> None:
+        from clover_batch.model import generate
+
+        with timed(rows, "infer"):
+            gens = generate(self.model, [r["prompt_ids"] for r in rows], **self.decode)
+        for row, gen in zip(rows, gens, strict=True):
+            timings = row["timings"]
+            timings["prefill"] = gen.prefill_seconds
+            timings["decode"] = gen.decode_seconds
+            row.update(
+                prompt_ids=None,
+                output_ids=list(gen.tokens),
+                output_tokens=len(gen.tokens),
+                windows=gen.windows,
+                forward_passes=gen.forward_passes,
+                denoising_steps=gen.denoising_steps,
+                stopped=gen.stopped,
+            )
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = to_rows(batch)
+        todo = [r for r in rows if _ok(r)]
+        if todo:
+            try:
+                self._generate(todo)
+            except Exception as e:
+                # Find the document that broke the batch: rerun one by one so the others still get results.
+                log.warning("batch of %d failed (%s); retrying documents one by one", len(todo), e)
+                for row in todo:
+                    try:
+                        self._generate([row])
+                    except Exception as e1:
+                        fail(row, "inference_error", f"{type(e1).__name__}: {e1}")
+            fault_point("inference")
+        return to_table(rows)
+
+
+class PostprocessStage:
+    """Output ids -> text; extraction answers parsed and checked; run metadata stamped on every row."""
+
+    def __init__(self, model: ModelRef, task: TaskRef, job_name: str, run_id: str):
+        self.model, self.task, self.job_name, self.run_id = model, task, job_name, run_id
+        self._builder: PromptBuilder | None = None
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        if self._builder is None:
+            self._builder = PromptBuilder(self.model.local())
+        rows = to_rows(batch)
+        for row in rows:
+            row.update(model=self.model.source, task=self.task.kind, job_name=self.job_name, run_id=self.run_id)
+            if not _ok(row):
+                continue
+            with timed(row, "postprocess"):
+                row["output_text"] = self._builder.decode(row["output_ids"] or [])
+                row["output_ids"] = None
+                if self.task.kind == "extract":
+                    checked = check_extraction(row["output_text"], list(self.task.fields))
+                    row["output_json"] = checked.output_json
+                    if checked.error:
+                        row.update(status="invalid_output", error=f"extraction answer refused: {checked.error}")
+        return to_table(rows)
+
+
+class WriteStage:
+    """Commit each batch as one Parquet part; pass on small stats rows for progress and the run report."""
+
+    def __init__(self, output: Location, run_id: str):
+        self.output, self.run_id = output, run_id
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        start = time.perf_counter()
+        part = write_part(self.output, batch.select(OUTPUT_SCHEMA.names).cast(OUTPUT_SCHEMA), self.run_id)
+        seconds = time.perf_counter() - start
+        stats = batch.select([n for n in STATS_SCHEMA.names if n in batch.column_names]).to_pylist()
+        for row in stats:
+            row.update(part_uri=part, write_seconds=seconds / max(1, len(stats)))
+        return to_table(stats, STATS_SCHEMA)
