@@ -1,0 +1,115 @@
+"""Shared fixtures: one local Ray per session, one moto S3 server per session, and real documents made with pymupdf.
+
+Ray starts once (about 4 s) with more logical CPUs than the machine has, so the actor pool (1 CPU) and the cheap
+stages (0.5 CPU each) can run side by side on a 2-core runner. Subprocess tests join this Ray by its address.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pymupdf
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def make_pdf(path: Path, pages: list[str], **save_kwargs) -> Path:
+    doc = pymupdf.open()
+    for text in pages:
+        page = doc.new_page()
+        if text:
+            page.insert_textbox(pymupdf.Rect(50, 50, 550, 800), text, fontsize=10)
+    doc.save(path, **save_kwargs)
+    return path
+
+
+def words(n: int, seed: int = 0) -> str:
+    """n words of deterministic English-like filler (about 6 bytes, so about 6 byte-tokens, each)."""
+    vocab = ["contract", "term", "party", "notice", "rent", "clause", "renewal", "payment", "owner", "date"]
+    return " ".join(vocab[(i * 7 + seed) % len(vocab)] for i in range(n))
+
+
+def write_good_docs(folder: Path) -> dict[str, str]:
+    """Four good documents (2 PDFs, text, markdown); one text spans several 256-token windows. name -> format."""
+    folder.mkdir(parents=True, exist_ok=True)
+    make_pdf(folder / "lease.pdf", ["Lease between A and B. Rent 100 EUR per month."])
+    make_pdf(folder / "report.pdf", ["Page one: sales grew.", "Page two: costs fell.", "Page three: outlook good."])
+    (folder / "notes.txt").write_text("Meeting notes: ship on Friday.\n" + words(150), encoding="utf-8")
+    (folder / "faq.md").write_text("# FAQ\n\nIt summarizes documents.\n", encoding="utf-8")
+    return {"lease.pdf": "pdf", "report.pdf": "pdf", "notes.txt": "text", "faq.md": "markdown"}
+
+
+def write_bad_docs(folder: Path) -> dict[str, str]:
+    """One document per failure kind; name -> expected status (with input.max_input_tokens=2000)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    good = make_pdf(folder / "_source.pdf", ["Some text that will be damaged."]).read_bytes()
+    (folder / "_source.pdf").unlink()
+    (folder / "corrupt.pdf").write_bytes(b"%PDF-1.7\n" + bytes(range(256)) * 4 + b"\n%%EOF\n")
+    (folder / "truncated.pdf").write_bytes(good[: len(good) // 2])
+    make_pdf(folder / "encrypted.pdf", ["secret"], encryption=pymupdf.PDF_ENCRYPT_AES_256, user_pw="u", owner_pw="o")
+    (folder / "empty.txt").write_bytes(b"")
+    (folder / "binary.txt").write_bytes(bytes(range(256)) * 8)
+    (folder / "latin1.txt").write_bytes("Caf\xe9 cr\xe8me, na\xefve r\xe9sum\xe9.".encode("latin-1"))
+    (folder / "slides.docx").write_bytes(b"PK\x03\x04 not really a docx")
+    make_pdf(folder / "scan.pdf", ["", ""])
+    (folder / "huge.txt").write_text(words(600), encoding="utf-8")
+    return {
+        "corrupt.pdf": "corrupt_pdf",
+        "truncated.pdf": "truncated_pdf",
+        "encrypted.pdf": "encrypted",
+        "empty.txt": "empty",
+        "binary.txt": "binary",
+        "latin1.txt": "decode_error",
+        "slides.docx": "unsupported_format",
+        "scan.pdf": "no_text",
+        "huge.txt": "too_long",
+    }
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-protocol server (moto) on 127.0.0.1; yields storage_options for fsspec/s3fs."""
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing", "region_name": "us-east-1"}
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    import boto3
+
+    name = "bucket-" + request.node.name.replace("_", "-").lower()[:40]
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_server["endpoint_url"],
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    client.create_bucket(Bucket=name)
+    return name, client

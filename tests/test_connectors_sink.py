@@ -1,0 +1,86 @@
+"""The Parquet sink: committed parts only, temporaries invisible to readers and cleaned up, reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from clover_batch.connectors.fs import Location
+from clover_batch.connectors.sink import (
+    clean_temporaries,
+    committed_parts,
+    done_doc_ids,
+    read_output,
+    write_part,
+    write_report,
+)
+from clover_batch.pipeline.rows import OUTPUT_SCHEMA
+
+
+def _rows(ids):
+    return pa.Table.from_pylist([{"doc_id": i, "status": "ok", "source_uri": f"f/{i}"} for i in ids], OUTPUT_SCHEMA)
+
+
+def test_parts_commit_and_doc_ids(tmp_path):
+    out = Location(str(tmp_path / "out"))
+    assert done_doc_ids(out) == set()
+    write_part(out, _rows(["a", "b"]), "r1")
+    write_part(out, _rows(["c"]), "r1")
+    assert len(committed_parts(out)) == 2
+    assert done_doc_ids(out) == {"a", "b", "c"}
+    assert read_output(out).schema.equals(OUTPUT_SCHEMA)
+    assert not os.listdir(tmp_path / "out" / "_tmp")
+
+
+def test_killed_writer_leaves_no_visible_part(tmp_path):
+    """SIGKILL between the temporary file and its commit: readers see nothing, the next run cleans up."""
+    out = tmp_path / "out"
+    script = (
+        "import pyarrow as pa\n"
+        "from clover_batch.connectors.fs import Location\n"
+        "from clover_batch.connectors.sink import write_part\n"
+        "from clover_batch.pipeline.rows import OUTPUT_SCHEMA\n"
+        f"write_part(Location({str(out)!r}), pa.Table.from_pylist([{{'doc_id': 'z'}}], OUTPUT_SCHEMA), 'r')\n"
+    )
+    env = {**os.environ, "CLOVER_BATCH_FAULT": "writing"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    assert len(os.listdir(out / "_tmp")) == 1  # the half-done part exists ...
+    assert committed_parts(Location(str(out))) == []  # ... but is not a part
+    assert pq.ParquetDataset(str(out)).files == []  # pyarrow ignores _tmp
+    assert duckdb.sql(f"select count(*) from glob('{out}/*.parquet')").fetchall()[0][0] == 0
+    assert clean_temporaries(Location(str(out))) == 1
+    assert os.listdir(out / "_tmp") == []
+
+
+def test_s3_parts_and_report(s3_server, s3_bucket):
+    import s3fs
+
+    bucket, _ = s3_bucket
+    out = Location(f"s3://{bucket}/results", s3_server)
+    uri = write_part(out, _rows(["x", "y"]), "r9")
+    assert uri.startswith(f"s3://{bucket}/results/part-r9-") and uri.endswith(".parquet")
+    assert done_doc_ids(out) == {"x", "y"}
+    report_uri = write_report(out, "r9", {"processed": 2})
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": s3_server["endpoint_url"]})
+    assert json.loads(fs.cat(report_uri)) == {"processed": 2}
+    assert clean_temporaries(out) == 0
+
+
+@pytest.mark.parametrize("n_parts", [1, 3])
+def test_output_reads_with_pyarrow_pandas_duckdb(tmp_path, n_parts):
+    out = Location(str(tmp_path))
+    for i in range(n_parts):
+        write_part(out, _rows([f"d{i}a", f"d{i}b"]), "r")
+    write_report(out, "r", {"x": 1})
+    assert pq.read_table(str(tmp_path)).num_rows == 2 * n_parts
+    assert len(pq.read_table(str(tmp_path)).to_pandas()) == 2 * n_parts
+    assert duckdb.sql(f"select count(distinct doc_id) from '{tmp_path}/*.parquet'").fetchall()[0][0] == 2 * n_parts

@@ -1,0 +1,50 @@
+"""Extraction answers: JSON found, parsed and checked against the fields."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clover_batch.pipeline.postprocess import FieldRule, check_extraction, extraction_instruction
+
+FIELDS = [
+    FieldRule("title", "string", "the title"),
+    FieldRule("amount", "number"),
+    FieldRule("count", "integer", required=False),
+    FieldRule("signed", "boolean"),
+    FieldRule("parties", "list[string]", required=False),
+]
+
+
+def test_instruction_lists_fields():
+    text = extraction_instruction("Extract.", FIELDS)
+    assert '- "title" (string): the title' in text
+    assert '- "count" (integer, may be null)' in text
+
+
+def test_good_answer_in_code_fence_with_chatter():
+    answer = 'Sure!\n```json\n{"title": "Lease", "amount": 4200.5, "signed": true, "parties": ["A", "B"], "x": 1}\n```'
+    got = check_extraction(answer, FIELDS)
+    assert got.error is None
+    assert json.loads(got.output_json) == {
+        "title": "Lease", "amount": 4200.5, "count": None, "signed": True, "parties": ["A", "B"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        ("no json here", "no JSON object"),
+        ("{broken", "no JSON object"),
+        ('{"title": "t", "amount": 1}', "missing field 'signed'"),
+        ('{"title": 3, "amount": 1, "signed": false}', "field 'title' should be string, got int"),
+        ('{"title": "t", "amount": true, "signed": false}', "field 'amount' should be number, got bool"),
+        ('{"title": "t", "amount": 1, "signed": false, "count": 1.5}', "field 'count' should be integer"),
+        ('{"title": "t", "amount": 1, "signed": false, "parties": [1]}', "field 'parties' should be list[string]"),
+    ],
+)
+def test_bad_answers_are_refused(answer, error):
+    got = check_extraction(answer, FIELDS)
+    assert got.output_json is None
+    assert error in got.error
