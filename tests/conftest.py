@@ -95,7 +95,12 @@ def s3_server():
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    yield {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing", "region_name": "us-east-1"}
+    yield {
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "key": "testing",
+        "secret": "testing",
+        "region_name": "us-east-1",
+    }
     server.stop()
 
 

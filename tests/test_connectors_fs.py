@@ -7,7 +7,6 @@ import time
 
 import fsspec
 import pytest
-
 from clover_batch.connectors.fs import Location, document_id, list_documents, matches, read_bytes
 
 

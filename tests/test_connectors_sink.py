@@ -12,7 +12,6 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from clover_batch.connectors.fs import Location
 from clover_batch.connectors.sink import (
     clean_temporaries,

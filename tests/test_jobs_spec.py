@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from typer.testing import CliRunner
-
 from clover_batch.jobs.cli import app
 from clover_batch.jobs.spec import JobSpec, JobSpecError, apply_overrides, load_job, parse_job
+from typer.testing import CliRunner
 
 MINIMAL = {"name": "j", "input": {"uri": "in/"}, "output": {"uri": "out/"}, "task": {"kind": "summarize"}}
 
@@ -51,8 +50,17 @@ def test_minimal_job_gets_documented_defaults():
         ({"task": {"kind": "extract", "fields": {"a b": {"type": "string"}}}}, "task", "must be an identifier"),
         ({"decode": {"threshold": 1.5}}, "decode.threshold", "less than or equal to 1"),
     ],
-    ids=["unknown-field", "wrong-type", "out-of-range", "null-output", "fp16-refused", "bad-task-kind",
-         "extract-no-fields", "bad-field-name", "bad-threshold"],
+    ids=[
+        "unknown-field",
+        "wrong-type",
+        "out-of-range",
+        "null-output",
+        "fp16-refused",
+        "bad-task-kind",
+        "extract-no-fields",
+        "bad-field-name",
+        "bad-threshold",
+    ],
 )
 def test_errors_name_the_field(change, field, words):
     problems = _problems({**MINIMAL, **change})
@@ -73,7 +81,7 @@ def test_overrides_parse_yaml_scalars_and_create_paths():
 
 
 def test_bad_override_syntax():
-    with pytest.raises(JobSpecError, match="expected key.path=value"):
+    with pytest.raises(JobSpecError, match=r"expected key\.path=value"):
         apply_overrides({}, ["replicas"])
 
 
@@ -88,8 +96,10 @@ def test_example_jobs_are_valid():
     ("body", "field"),
     [
         ("name: j\ninput: {uri: in}\noutput: {uri: out}\ntask: {kind: summarize}\nretries: 3\n", "retries"),
-        ("name: j\ninput: {uri: in}\noutput: {uri: out}\ntask: {kind: summarize}\ndecode: {max_new_tokens: lots}\n",
-         "decode.max_new_tokens"),
+        (
+            "name: j\ninput: {uri: in}\noutput: {uri: out}\ntask: {kind: summarize}\ndecode: {max_new_tokens: lots}\n",
+            "decode.max_new_tokens",
+        ),
         ("name: j\ninput: {uri: in}\ntask: {kind: summarize}\n", "output"),
     ],
     ids=["unknown-field", "wrong-type", "missing-output"],
@@ -103,6 +113,8 @@ def test_cli_validate_invalid_job_exits_nonzero_naming_field(tmp_path, body, fie
 
 
 def test_cli_validate_good_job_with_set(tmp_path):
-    result = CliRunner().invoke(app, ["validate", "jobs/examples/summarize-local.yaml", "--set", "resources.replicas=2"])
+    result = CliRunner().invoke(
+        app, ["validate", "jobs/examples/summarize-local.yaml", "--set", "resources.replicas=2"]
+    )
     assert result.exit_code == 0, result.output
     assert '"replicas": 2' in result.output

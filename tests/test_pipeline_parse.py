@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_pdf, write_bad_docs, write_good_docs
-
 from clover_batch.pipeline.parse import parse_document
+from conftest import make_pdf, write_bad_docs, write_good_docs
 
 
 def test_good_documents(tmp_path):

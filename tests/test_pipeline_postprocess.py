@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from clover_batch.pipeline.postprocess import FieldRule, check_extraction, extraction_instruction
 
 FIELDS = [
@@ -28,7 +27,11 @@ def test_good_answer_in_code_fence_with_chatter():
     got = check_extraction(answer, FIELDS)
     assert got.error is None
     assert json.loads(got.output_json) == {
-        "title": "Lease", "amount": 4200.5, "count": None, "signed": True, "parties": ["A", "B"],
+        "title": "Lease",
+        "amount": 4200.5,
+        "count": None,
+        "signed": True,
+        "parties": ["A", "B"],
     }
 
 

@@ -11,7 +11,10 @@ def test_byte_ids_and_special_tokens():
     tok = build_byte_tokenizer()
     assert tok.get_vocab_size(with_added_tokens=True) == 260
     assert [tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")] == [
-        256, 257, 258, 259,
+        256,
+        257,
+        258,
+        259,
     ]
     text = "héllo\x00 \n€"
     ids = tok.encode(text, add_special_tokens=False).ids
