@@ -1,8 +1,9 @@
 """Fault injection for the interruption tests: kill the whole run with SIGKILL at a named point.
 
 `CLOVER_BATCH_FAULT="<point>[:<n>]"` (read by the driver, passed to workers as part of the job context via
-`CLOVER_BATCH_FAULT_PID`) kills the driver process at the n-th time `<point>` is reached in one process. Points:
-`listing`, `inference`, `writing` (between the temporary part file and its commit). Unset, this does nothing.
+`CLOVER_BATCH_FAULT_PID`) kills the driver process at the n-th time `<point>` is reached by any process of the run
+on this machine (counted in a file under the temp folder). Points: `listing`, `inference` (after a generate()
+call), `writing` (between the temporary part file and its commit). Unset, this does nothing.
 """
 
 from __future__ import annotations
@@ -10,14 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections import Counter
+import tempfile
 
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "CLOVER_BATCH_FAULT"
 FAULT_PID_ENV = "CLOVER_BATCH_FAULT_PID"
-
-_reached: Counter[str] = Counter()
 
 
 def fault_config() -> dict[str, str]:
@@ -36,10 +35,16 @@ def fault_point(name: str) -> None:
     point, _, count = spec.partition(":")
     if point != name:
         return
-    _reached[name] += 1
-    if _reached[name] < int(count or 1):
-        return
     pid = int(os.environ.get(FAULT_PID_ENV, os.getpid()))
+    counter = os.path.join(tempfile.gettempdir(), f"clover-batch-fault-{pid}-{name}")
+    fd = os.open(counter, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, b"x")  # appends are atomic, so processes count together
+        reached = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if reached < int(count or 1):
+        return
     log.warning("fault injection: killing process %d at %s", pid, name)
     os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -21,6 +21,8 @@ import logging
 import posixpath
 from dataclasses import dataclass
 
+import pymupdf
+
 log = logging.getLogger(__name__)
 
 TEXT_EXTENSIONS = {".txt": "text", ".text": "text", ".md": "markdown", ".markdown": "markdown"}
@@ -86,8 +88,6 @@ def _parse_text(fmt: str, data: bytes, fallback_encoding: str | None) -> Parsed:
 
 
 def _parse_pdf(data: bytes) -> Parsed:
-    import pymupdf
-
     pymupdf.TOOLS.mupdf_display_errors(False)  # errors become statuses; do not spray MuPDF messages on stderr
     if b"%%EOF" not in data[-2048:]:
         return Parsed("pdf", "truncated_pdf", f"the PDF is cut off: no %%EOF marker at its end ({len(data)} bytes)")

@@ -118,3 +118,37 @@ def s3_bucket(s3_server, request):
     )
     client.create_bucket(Bucket=name)
     return name, client
+
+
+def job_raw(input_uri: str, output_uri: str, **sections) -> dict:
+    """A small job on the tiny preset; keyword arguments replace or extend whole sections."""
+    raw = {
+        "name": "test-job",
+        "input": {"uri": input_uri, "max_input_tokens": 2000},
+        "output": {"uri": output_uri, "rows_per_file": 4},
+        "model": {"source": "tiny"},
+        "task": {"kind": "summarize", "instruction": "Summarize."},
+        "decode": {"max_new_tokens": 8},
+        "resources": {"replicas": 1, "batch_size": 3},
+    }
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
+    return raw
+
+
+def write_job(path: Path, raw: dict) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _engine_available() -> bool:
+    try:
+        from clover_batch.model import generate, load_model  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+requires_engine = pytest.mark.skipif(not _engine_available(), reason="clover_batch.model engine not on this branch")

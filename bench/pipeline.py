@@ -1,0 +1,106 @@
+"""Throughput of the whole Ray pipeline vs the same engine called in a plain loop, side by side in one run.
+
+Both sides get the same documents, prompts, decode options, batch size and torch thread count. The loop is the
+engine's best case: prompts are parsed and tokenized beforehand and only generate() + detokenizing is timed. The
+pipeline is timed end to end by the runner (listing, actor start and model load, read, parse, tokenize, infer,
+postprocess, Parquet commit), after Ray itself has started.
+
+    python bench/pipeline.py --model tiny --docs 24 --max-new-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def make_documents(folder: Path, n: int, words: int) -> None:
+    vocab = ["contract", "term", "party", "notice", "rent", "clause", "renewal", "payment", "owner", "date"]
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        body = " ".join(vocab[(j * 7 + i) % len(vocab)] for j in range(words + 13 * i))
+        (folder / f"doc-{i:03d}.txt").write_text(f"Document {i}.\n{body}\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="preset or checkpoint folder")
+    ap.add_argument("--docs", type=int, default=24)
+    ap.add_argument("--words", type=int, default=120, help="words per document (about 7 tokens each)")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the loop and of the one replica")
+    args = ap.parse_args()
+
+    import ray
+    import torch
+    from clover_batch.connectors.fs import Location, list_documents, read_bytes
+    from clover_batch.jobs.runner import run
+    from clover_batch.jobs.spec import parse_job
+    from clover_batch.model import generate, load_model
+    from clover_batch.pipeline.parse import parse_document
+    from clover_batch.pipeline.tokenizer import PromptBuilder
+
+    work = Path(tempfile.mkdtemp(prefix="clover-bench-"))
+    make_documents(work / "docs", args.docs, args.words)
+    instruction = "Summarize the document."
+    decode = {"max_new_tokens": args.max_new_tokens, "threshold": 0.9, "temperature": 0.0}
+
+    # Plain loop: same prompts, same engine, same batches.
+    torch.set_num_threads(args.threads)
+    builder = PromptBuilder(args.model)
+    refs = list_documents(Location(str(work / "docs")), ["*"], [])
+    prompts = [
+        builder.build(instruction, parse_document(r.source_uri, read_bytes(r.source_uri, {})).text) for r in refs
+    ]
+    model = load_model(args.model)
+    generate(model, [prompts[0][:64]], max_new_tokens=4)  # warm-up, as the pipeline's actor warms on its first batch
+    start = time.perf_counter()
+    loop_tokens = 0
+    for i in range(0, len(prompts), args.batch_size):
+        for gen in generate(model, prompts[i : i + args.batch_size], **decode):
+            builder.decode(gen.tokens)
+            loop_tokens += len(gen.tokens)
+    loop_s = time.perf_counter() - start
+    del model
+
+    # Ray pipeline: one replica with the same threads; spare logical CPUs for the cheap stages.
+    ray.init(num_cpus=args.threads + 1, include_dashboard=False, log_to_driver=False)
+    spec = parse_job(
+        {
+            "name": "bench",
+            "input": {"uri": str(work / "docs")},
+            "output": {"uri": str(work / "out"), "rows_per_file": 64},
+            "model": {"source": args.model},
+            "task": {"kind": "summarize", "instruction": instruction},
+            "decode": decode,
+            "resources": {"replicas": 1, "cpus_per_replica": args.threads, "batch_size": args.batch_size},
+        }
+    )
+    report = run(spec).report
+    ray.shutdown()
+    pipe_s = report["wall_seconds"]
+    assert report["by_status"] == {"ok": args.docs}, report["by_status"]
+
+    n_in = sum(len(p) for p in prompts)
+    print(
+        f"model={args.model} docs={args.docs} prompt_tokens={n_in} max_new_tokens={args.max_new_tokens} "
+        f"batch={args.batch_size} threads={args.threads} torch={torch.__version__} cpus={os.cpu_count()}"
+    )
+    print(f"{'':10s} {'seconds':>8s} {'docs/s':>8s} {'out tok/s':>10s} {'out tokens':>10s}")
+    print(f"{'loop':10s} {loop_s:8.2f} {args.docs / loop_s:8.3f} {loop_tokens / loop_s:10.1f} {loop_tokens:10d}")
+    print(
+        f"{'pipeline':10s} {pipe_s:8.2f} {args.docs / pipe_s:8.3f} {report['output_tokens'] / pipe_s:10.1f} "
+        f"{report['output_tokens']:10d}"
+    )
+    print(f"pipeline / loop (documents/s): {loop_s / pipe_s:.2f}x")
+    print(f"pipeline stage seconds: { {k: round(v, 2) for k, v in report['stage_seconds'].items()} }")
+
+
+if __name__ == "__main__":
+    main()
