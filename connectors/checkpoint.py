@@ -34,7 +34,7 @@ def local_checkpoint(source: str, storage_options: dict[str, Any] | None = None,
     if not files:
         raise FileNotFoundError(f"no checkpoint files under {source}")
     fingerprint = "\n".join(f"{p}:{document_version(i)}" for p, i in sorted(files.items()))
-    key = hashlib.sha256(f"{source}\n{fingerprint}".encode()).hexdigest()[:24]
+    key = hashlib.sha256(f"{source.rstrip('/')}\n{fingerprint}".encode()).hexdigest()[:24]
     cache = cache_dir or DEFAULT_CACHE
     target = os.path.join(cache, key)
     if os.path.isdir(target):

@@ -1,0 +1,44 @@
+"""CLI commands that need no model: show on empty and filled outputs, run on an invalid job."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+from clover_batch.connectors.fs import Location
+from clover_batch.connectors.sink import write_part
+from clover_batch.jobs.cli import app
+from clover_batch.pipeline.rows import OUTPUT_SCHEMA
+from typer.testing import CliRunner
+
+
+def test_show_empty_output_exits_1(tmp_path):
+    result = CliRunner().invoke(app, ["show", str(tmp_path / "nothing")])
+    assert result.exit_code == 1
+    assert "no committed rows" in result.output
+
+
+def test_show_counts_by_status_and_samples(tmp_path):
+    rows = [
+        {"doc_id": "1", "source_uri": "a.pdf", "status": "ok", "output_text": "A short summary.", "output_tokens": 4},
+        {"doc_id": "2", "source_uri": "b.pdf", "status": "ok", "output_text": "Another.", "output_tokens": 2},
+        {"doc_id": "3", "source_uri": "c.pdf", "status": "encrypted", "error": "the PDF is encrypted"},
+    ]
+    write_part(Location(str(tmp_path)), pa.Table.from_pylist(rows, OUTPUT_SCHEMA), "r1")
+    result = CliRunner().invoke(app, ["show", str(tmp_path), "--samples", "1"])
+    assert result.exit_code == 0, result.output
+    assert "3 rows in 1 parts" in result.output
+    assert "A short summary." in result.output and "Another." not in result.output  # one sample per status
+    assert "the PDF is encrypted" in result.output
+
+
+def test_run_invalid_job_exits_nonzero_naming_field(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: j\ninput: {uri: in, include: '*.pdf'}\noutput: {uri: out}\ntask: {kind: summarize}\n")
+    result = CliRunner().invoke(app, ["run", str(job)])
+    assert result.exit_code == 2
+    assert "input.include: Input should be a valid list" in result.output
+
+
+def test_run_unknown_set_field_exits_nonzero(tmp_path):
+    result = CliRunner().invoke(app, ["run", "jobs/examples/summarize-local.yaml", "--set", "resources.gpus=1"])
+    assert result.exit_code == 2
+    assert "resources.gpus: Extra inputs are not permitted" in result.output
