@@ -1,1 +1,74 @@
-"""clover_batch.model"""
+"""clover_batch.model: the Clover model and its generation engine. Token ids in, token ids and logits out.
+
+Knows nothing of Ray, files beyond checkpoints, or text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .clover import CloverModel
+from .config import CloverConfig, ConfigError, DiffusionConfig, from_preset, is_preset
+from .moe import Experts
+from .state import AttentionState, CloverState, GDNState
+from .weights import CheckpointError, init_random_weights, load_checkpoint_weights, read_config, save_checkpoint
+
+__all__ = [
+    "AttentionState", "CheckpointError", "CloverConfig", "CloverModel", "CloverState", "ConfigError",
+    "DiffusionConfig", "GDNState", "build_model", "from_preset", "is_preset", "load_config", "load_model",
+    "save_checkpoint",
+]
+
+# Random initialisation of presets is for small models; the published shape is for `inspect` and checkpoints.
+MAX_RANDOM_INIT_PARAMS = 2_000_000_000
+
+
+def load_config(source: str | Path) -> CloverConfig:
+    """The config of a preset name or of a checkpoint directory."""
+    if isinstance(source, str) and is_preset(source):
+        return from_preset(source)
+    path = Path(source)
+    if not path.is_dir():
+        raise ConfigError(f"model source {str(source)!r} is neither a preset nor a checkpoint directory")
+    return read_config(path)
+
+
+def build_model(config: CloverConfig, *, expert_range: tuple[int, int] | None = None) -> CloverModel:
+    """The model on the meta device; with `expert_range` = (first, end) each layer holds only those experts."""
+    with torch.device("meta"):
+        model = CloverModel(config)
+        if expert_range is not None:
+            first, end = expert_range
+            if not 0 <= first < end <= config.num_experts:
+                raise ValueError(f"expert_range {expert_range} is not within [0, {config.num_experts}]")
+            for layer in model.layers:
+                layer.mlp.experts = Experts(config, first_expert=first, num_local=end - first)
+    return model
+
+
+def load_model(source: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               seed: int = 0, expert_range: tuple[int, int] | None = None,
+               overrides: dict | None = None) -> CloverModel:
+    """A ready model from a preset name (seeded random weights) or a checkpoint directory (safetensors).
+
+    expert_range: hold only experts [first, end) (expert parallelism). overrides: config fields to replace, e.g.
+    {"window_tokens": 32768}.
+    """
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+    device = torch.device(device)
+    config = load_config(source)
+    if overrides:
+        config = config.replace(**overrides)
+    model = build_model(config, expert_range=expert_range)
+    if isinstance(source, str) and is_preset(source):
+        total, _ = config.parameter_counts()
+        if total > MAX_RANDOM_INIT_PARAMS:
+            raise ConfigError(f"preset {source!r} has {total / 1e9:.1f}B parameters: random weights are only made "
+                              f"for small presets; point the model at a checkpoint directory instead")
+        init_random_weights(model, seed=seed, dtype=dtype, device=device)
+    else:
+        load_checkpoint_weights(model, Path(source), dtype=dtype, device=device)
+    return model.eval()

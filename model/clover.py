@@ -1,0 +1,106 @@
+"""CloverModel: token ids and an explicit state in, logits and the next state out.
+
+Notable choices:
+- `forward(ids, state, commit=False)` returns the state it was given, untouched (layers never write in place), so
+  a denoising step can be re-run against the same committed state as often as needed.
+- `attention` picks how the new tokens see each other in full-attention layers: "causal", or "block_causal"
+  (bidirectional inside blocks of `block_size` aligned on absolute positions, causal across blocks). GDN layers
+  are always causal: a recurrence has no other form.
+- `keep_logits` computes the lm_head only for the last n positions (0: none): prefill of a 128K window would
+  otherwise materialise T x V logits nobody reads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import ops
+from .config import CloverConfig
+from .layers import AttentionContext, DecoderLayer, RMSNorm
+from .state import AttentionState, CloverState
+
+
+class CloverModel(nn.Module):
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, kind) for kind in config.layer_types)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                          bias=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def empty_state(self, batch: int) -> CloverState:
+        return CloverState.empty(self.config, batch, device=self.device, dtype=self.dtype)
+
+    def default_attention(self) -> str:
+        d = self.config.diffusion
+        return "block_causal" if d is not None and d.prompt_attention == "block_causal" else "causal"
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, state: CloverState | None = None, *, commit: bool = True,
+                attention: str | None = None, keep_logits: int | None = None,
+                window_tokens: int | None = None) -> tuple[torch.Tensor | None, CloverState]:
+        """Run `input_ids` [B, T] after `state`; returns (logits [B, T', V] or None, state).
+
+        attention: "causal" | "block_causal" (default: the config's prompt attention). keep_logits: logits for the
+        last n positions only (None: all, 0: none). window_tokens: overrides the config's attention window.
+        """
+        cfg = self.config
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [batch, tokens] with tokens >= 1, got shape {tuple(input_ids.shape)}")
+        if bool(((input_ids < 0) | (input_ids >= cfg.vocab_size)).any()):
+            bad = input_ids[(input_ids < 0) | (input_ids >= cfg.vocab_size)][:5].tolist()
+            raise ValueError(f"token ids {bad} are outside the vocabulary (size {cfg.vocab_size})")
+        B, T = input_ids.shape
+        input_ids = input_ids.to(self.device)
+        if state is None:
+            state = self.empty_state(B)
+        if state.batch_size != B:
+            raise ValueError(f"state holds {state.batch_size} sequences but input_ids has {B}")
+        ctx = self._context(state.positions, T, attention or self.default_attention(),
+                            window_tokens or cfg.window_tokens)
+
+        h = self.embed_tokens(input_ids)
+        new_layers = []
+        for layer, layer_state in zip(self.layers, state.layers, strict=True):
+            h, layer_state = layer(h, layer_state, ctx)
+            new_layers.append(layer_state)
+
+        logits = None
+        if keep_logits != 0:
+            h = h if keep_logits is None else h[:, -keep_logits:]
+            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = ops.linear(self.norm(h), head)
+        if not commit:
+            return logits, state
+        positions = state.positions + T
+        first_visible = positions - ctx.window + 1  # the next query's window start
+        trimmed = [s.trimmed(first_visible) if isinstance(s, AttentionState) else s for s in new_layers]
+        return logits, CloverState(trimmed, positions)
+
+    def _context(self, positions: torch.Tensor, T: int, attention: str, window: int) -> AttentionContext:
+        cfg = self.config
+        q_pos = positions[:, None] + torch.arange(T, device=positions.device)  # [B, T]
+        if attention == "causal":
+            visible_until = q_pos
+        elif attention == "block_causal":
+            if cfg.diffusion is None:
+                raise ValueError("block_causal attention needs a diffusion config (block_size)")
+            bs = cfg.diffusion.block_size
+            visible_until = (q_pos // bs + 1) * bs - 1
+        else:
+            raise ValueError(f"attention must be 'causal' or 'block_causal', got {attention!r}")
+        if window < 1:
+            raise ValueError(f"window_tokens must be >= 1, got {window}")
+        cos, sin = ops.rope_cos_sin(q_pos, cfg.rope_dim, cfg.rope_theta, self.dtype)
+        return AttentionContext(q_pos, cos, sin, visible_until, window)

@@ -1,0 +1,149 @@
+"""Token mixers and the decoder layer: Gated DeltaNet, gated full attention, zero-centred RMSNorm.
+
+Shapes: B batch, T new tokens, S cached + new keys, D hidden, H heads, Hk/Hv GDN key/value heads,
+Dk/Dv GDN head dims, C conv channels (2*Hk*Dk + Hv*Dv).
+
+Every layer takes its slice of the state and returns the updated slice; modules hold weights only.
+Module and parameter names follow the Qwen3.5-MoE checkpoints, so the key mapping (weights.py) stays a table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .config import CloverConfig
+from .moe import SparseMoE
+from .state import AttentionState, GDNState
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred: the weight is stored as w and applied as (1 + w)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return ops.gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        D = config.hidden_size
+        self.Hk, self.Hv = config.linear_num_key_heads, config.linear_num_value_heads
+        self.Dk, self.Dv = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim, self.value_dim = config.linear_key_dim, config.linear_value_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(D, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(D, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(D, self.Hv, bias=False)
+        self.in_proj_a = nn.Linear(D, self.Hv, bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(conv_dim, 1, config.linear_conv_kernel_dim))  # [C, 1, Kc]
+        self.A_log = nn.Parameter(torch.empty(self.Hv))
+        self.dt_bias = nn.Parameter(torch.ones(self.Hv))
+        self.norm = GatedRMSNorm(self.Dv, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, D, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, state: GDNState) -> tuple[torch.Tensor, GDNState]:
+        B, T, _ = x_BTD.shape
+        mixed, conv_tail = ops.causal_conv(ops.linear(x_BTD, self.in_proj_qkv.weight),
+                                           self.conv1d.weight[:, 0], state.conv)  # [B, T, C]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        # L2 norm in fp32, then each key head serves Hv/Hk consecutive value heads.
+        q = ops.l2norm(q.reshape(B, T, self.Hk, self.Dk).float())
+        k = ops.l2norm(k.reshape(B, T, self.Hk, self.Dk).float())
+        if self.Hv != self.Hk:
+            q = q.repeat_interleave(self.Hv // self.Hk, dim=2)
+            k = k.repeat_interleave(self.Hv // self.Hk, dim=2)
+        v = v.reshape(B, T, self.Hv, self.Dv)
+        beta = torch.sigmoid(ops.linear(x_BTD, self.in_proj_b.weight))  # [B, T, Hv]
+        # fp32: exp(A_log) and softplus overflow or lose the decay's precision in bf16.
+        g = -self.A_log.float().exp() * F.softplus(ops.linear(x_BTD, self.in_proj_a.weight).float()
+                                                   + self.dt_bias.float())
+        o, recurrent = ops.gdn(q, k, v, g, beta, state.recurrent)  # [B, T, Hv, Dv] fp32
+        z = ops.linear(x_BTD, self.in_proj_z.weight).reshape(B, T, self.Hv, self.Dv)
+        o = self.norm(o.to(x_BTD.dtype), z).reshape(B, T, self.value_dim)
+        return ops.linear(o, self.out_proj.weight), GDNState(recurrent, conv_tail)
+
+
+@dataclass
+class AttentionContext:
+    """What every attention layer of one forward pass shares, computed once."""
+
+    q_pos: torch.Tensor  # [B, T] absolute positions of the new tokens
+    cos: torch.Tensor  # [B, T, R]
+    sin: torch.Tensor  # [B, T, R]
+    visible_until: torch.Tensor  # [B, T] last key position each query may see (causal: itself; block: block end)
+    window: int  # a query at p sees keys at positions >= p - window + 1
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        D, self.H, self.Hkv, self.Dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, \
+            config.head_dim
+        self.q_proj = nn.Linear(D, self.H * self.Dh * 2, bias=False)  # per head: query, then output gate
+        self.k_proj = nn.Linear(D, self.Hkv * self.Dh, bias=False)
+        self.v_proj = nn.Linear(D, self.Hkv * self.Dh, bias=False)
+        self.o_proj = nn.Linear(self.H * self.Dh, D, bias=False)
+        self.q_norm = RMSNorm(self.Dh, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.Dh, config.rms_norm_eps)
+
+    def forward(self, x_BTD: torch.Tensor, state: AttentionState,
+                ctx: AttentionContext) -> tuple[torch.Tensor, AttentionState]:
+        B, T, _ = x_BTD.shape
+        q, gate = ops.linear(x_BTD, self.q_proj.weight).view(B, T, self.H, 2 * self.Dh).chunk(2, dim=-1)
+        q = self.q_norm(q).transpose(1, 2)  # [B, H, T, Dh]
+        k = self.k_norm(ops.linear(x_BTD, self.k_proj.weight).view(B, T, self.Hkv, self.Dh)).transpose(1, 2)
+        v = ops.linear(x_BTD, self.v_proj.weight).view(B, T, self.Hkv, self.Dh).transpose(1, 2)
+        q, k = ops.apply_rope(q, ctx.cos, ctx.sin), ops.apply_rope(k, ctx.cos, ctx.sin)
+
+        keys = torch.cat([state.keys, k], dim=2)  # [B, Hkv, S, Dh]
+        values = torch.cat([state.values, v], dim=2)
+        key_pos = torch.cat([state.key_pos, ctx.q_pos], dim=1)  # [B, S]
+        kp = key_pos[:, None, :]
+        mask = (kp >= 0) & (kp <= ctx.visible_until[:, :, None]) & (kp > ctx.q_pos[:, :, None] - ctx.window)
+        out = ops.attention(q, keys, values, mask)  # [B, H, T, Dh]
+        out = out.transpose(1, 2).reshape(B, T, self.H * self.Dh) * torch.sigmoid(gate.reshape(B, T, -1))
+        return ops.linear(out, self.o_proj.weight), AttentionState(keys, values, key_pos)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: CloverConfig, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = GatedAttention(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SparseMoE(config)
+
+    def forward(self, h: torch.Tensor, state: GDNState | AttentionState,
+                ctx: AttentionContext) -> tuple[torch.Tensor, GDNState | AttentionState]:
+        x = self.input_layernorm(h)
+        if isinstance(state, GDNState):
+            mixed, state = self.linear_attn(x, state)
+        else:
+            mixed, state = self.self_attn(x, state, ctx)
+        h = h + mixed
+        return h + self.mlp(self.post_attention_layernorm(h)), state

@@ -1,0 +1,224 @@
+"""Numerical kernels, each fast path beside its plain reference. Kernel choice happens here, once.
+
+Shapes: B batch, T tokens, H heads, K key dim, V value dim, C channels, E experts, N routed token-expert pairs.
+
+Notable choices:
+- The GDN recurrence always runs in fp32 (state, decay and outputs): exp(g) accumulated over a 128K window
+  underflows to garbage in bf16.
+- `gdn_chunked` is the chunked (UT-transform) form of the gated delta rule; `gdn_recurrent` is the token-by-token
+  recurrence it must equal (also the decode path for T == 1, where it is cheaper).
+- Matmuls with bf16 operands on a CPU without native bf16 units run 50-600x slower than fp32 (measured on the
+  AVX2 dev machines), so there `linear` and `grouped_mm` compute in fp32 and round the result to bf16: the same
+  values a bf16 GEMM with fp32 accumulation gives, up to summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+# ---- matmul policy ------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _upcast(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bfloat16 and t.device.type == "cpu" and not _cpu_has_native_bf16()
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T (no bias)."""
+    if _upcast(x):
+        return F.linear(x.float(), w.float()).to(x.dtype)
+    return F.linear(x, w)
+
+
+def grouped_mm(x_NK: torch.Tensor, w_EOK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Rows of x grouped by expert (offs: int32 end offsets) times each group's w.T: [N, K] x [E, O, K] -> [N, O]."""
+    w_EKO = w_EOK.transpose(1, 2)
+    if _upcast(x_NK):
+        return F.grouped_mm(x_NK.float(), w_EKO.float(), offs=offs_E).to(x_NK.dtype)
+    if x_NK.device.type == "cuda" and x_NK.dtype != torch.bfloat16:
+        return grouped_mm_reference(x_NK, w_EOK, offs_E)  # CUDA grouped GEMM is bf16-only
+    return F.grouped_mm(x_NK, w_EKO, offs=offs_E)
+
+
+def grouped_mm_reference(x_NK: torch.Tensor, w_EOK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Plain per-expert loop: the reference for `grouped_mm`."""
+    out = x_NK.new_empty(x_NK.shape[0], w_EOK.shape[1])
+    start = 0
+    for e, end in enumerate(offs_E.tolist()):
+        if end > start:
+            out[start:end] = x_NK[start:end] @ w_EOK[e].T
+        start = end
+    return out
+
+
+# ---- norms --------------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm, x_hat * (1 + w), computed in fp32 and cast back."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN output norm: plain RMSNorm (weight not zero-centred) in fp32, then * silu(gate)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * xf.to(dtype)
+    return (out * F.silu(gate.float())).to(dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+# ---- depthwise causal conv ----------------------------------------------------------------------------------
+
+
+def causal_conv(x_BTC: torch.Tensor, w_CK: torch.Tensor, tail_BKC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv1d + SiLU over [tail, x]; returns (y [B, T, C], new tail [B, K-1, C])."""
+    K = w_CK.shape[1]
+    xx = torch.cat([tail_BKC.to(x_BTC.dtype), x_BTC], dim=1)  # [B, K-1+T, C]
+    y = F.conv1d(xx.transpose(1, 2), w_CK.unsqueeze(1).to(x_BTC.dtype), groups=w_CK.shape[0])  # [B, C, T]
+    new_tail = xx[:, xx.shape[1] - (K - 1):]
+    return F.silu(y).transpose(1, 2), new_tail
+
+
+# ---- gated delta rule ---------------------------------------------------------------------------------------
+
+
+def gdn_recurrent(
+    q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, g_BTH: torch.Tensor, beta_BTH: torch.Tensor,
+    state_BHKV: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token gated delta rule (the reference). q, k already L2-normalised and repeated to H value heads.
+
+    S_t = a_t S_{t-1} + k_t [beta_t (v_t - (a_t S_{t-1})^T k_t)]^T,  o_t = S_t^T q_t / sqrt(K), a_t = exp(g_t).
+    Returns (o [B, T, H, V] fp32, final state [B, H, K, V] fp32).
+    """
+    scale = q_BTHK.shape[-1] ** -0.5
+    q, k, v = (t.float().transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV))  # [B, H, T, *]
+    g, beta = g_BTH.float().transpose(1, 2), beta_BTH.float().transpose(1, 2)  # [B, H, T]
+    S = state_BHKV.float().clone()
+    out = torch.empty_like(v)
+    for t in range(q.shape[2]):
+        S = S * g[:, :, t, None, None].exp()
+        kv_mem = (S * k[:, :, t, :, None]).sum(-2)  # [B, H, V]
+        delta = (v[:, :, t] - kv_mem) * beta[:, :, t, None]
+        S = S + k[:, :, t, :, None] * delta[:, :, None, :]
+        out[:, :, t] = (S * (q[:, :, t, :, None] * scale)).sum(-2)
+    return out.transpose(1, 2), S
+
+
+def gdn_chunked(
+    q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, g_BTH: torch.Tensor, beta_BTH: torch.Tensor,
+    state_BHKV: torch.Tensor, chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule: same result as `gdn_recurrent`, with matmuls over chunks of `chunk` tokens.
+
+    Inside a chunk (c = cumulative log decay, M_ij = exp(c_i - c_j) for i >= j):
+      W = (I + tril(diag(beta) K K^T * M, -1))^-1,  U = W (beta V),  Wk = W (beta K exp(c))
+      V' = U - Wk S,  O = (Q exp(c)) S + (tril(Q K^T * M)) V',  S <- exp(c_C) S + (K exp(c_C - c))^T V'
+    """
+    B, T, H, Kd = k_BTHK.shape
+    Vd = v_BTHV.shape[-1]
+    scale = Kd ** -0.5
+    pad = (-T) % chunk
+    q, k, v = (F.pad(t.float(), (0, 0, 0, 0, 0, pad)).transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV))
+    g, beta = (F.pad(t.float(), (0, 0, 0, pad)).transpose(1, 2) for t in (g_BTH, beta_BTH))  # [B, H, Tp]
+    n = (T + pad) // chunk
+    q = q.reshape(B, H, n, chunk, Kd) * scale
+    k = k.reshape(B, H, n, chunk, Kd)
+    v = v.reshape(B, H, n, chunk, Vd)
+    beta = beta.reshape(B, H, n, chunk, 1)
+    c = g.reshape(B, H, n, chunk).cumsum(-1)  # [B, H, n, L]
+
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    diff = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~lower, -math.inf)  # upper part -> exp() = 0
+    M = diff.exp()  # [B, H, n, L, L]
+    kb = k * beta
+    A = (kb @ k.transpose(-1, -2)) * M
+    A = torch.eye(chunk, device=q.device) + A.tril(-1)
+    U = torch.linalg.solve_triangular(A, v * beta, upper=False, unitriangular=True)
+    Wk = torch.linalg.solve_triangular(A, kb * c.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    QK = (q @ k.transpose(-1, -2)) * M  # lower incl. diagonal
+    q_dec = q * c.exp().unsqueeze(-1)
+    c_last = c[..., -1:]  # [B, H, n, 1]
+    k_dec = k * (c_last - c).exp().unsqueeze(-1)
+    a_chunk = c_last.exp().unsqueeze(-1)  # [B, H, n, 1, 1]
+
+    S = state_BHKV.float().clone()
+    out = torch.empty(B, H, n, chunk, Vd, dtype=torch.float32, device=q.device)
+    for i in range(n):
+        v_new = U[:, :, i] - Wk[:, :, i] @ S
+        out[:, :, i] = q_dec[:, :, i] @ S + QK[:, :, i] @ v_new
+        S = S * a_chunk[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(B, H, n * chunk, Vd)[:, :, :T]
+    return out.transpose(1, 2), S
+
+
+def gdn(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule, choosing the kernel: recurrence for a single token, chunked otherwise."""
+    if q.shape[1] == 1:
+        return gdn_recurrent(q, k, v, g, beta, state)
+    return gdn_chunked(q, k, v, g, beta, state)
+
+
+# ---- attention ----------------------------------------------------------------------------------------------
+
+
+def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, mask_BTS: torch.Tensor) -> torch.Tensor:
+    """Softmax attention with grouped KV heads and a boolean mask (True = may attend). Returns [B, H, T, D]."""
+    groups = q_BHTD.shape[1] // k_BHSD.shape[1]
+    if groups > 1:
+        k_BHSD = k_BHSD.repeat_interleave(groups, dim=1)
+        v_BHSD = v_BHSD.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_BTS.unsqueeze(1))
+
+
+def attention_reference(q_BHTD, k_BHSD, v_BHSD, mask_BTS) -> torch.Tensor:
+    """Eager softmax attention in fp32: the reference for `attention`."""
+    groups = q_BHTD.shape[1] // k_BHSD.shape[1]
+    k = k_BHSD.repeat_interleave(groups, dim=1).float()
+    v = v_BHSD.repeat_interleave(groups, dim=1).float()
+    scores = (q_BHTD.float() @ k.transpose(-1, -2)) * q_BHTD.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask_BTS.unsqueeze(1), -math.inf)
+    return (scores.softmax(-1) @ v).to(q_BHTD.dtype)
+
+
+# ---- rotary embedding ---------------------------------------------------------------------------------------
+
+
+def rope_cos_sin(positions_BT: torch.Tensor, rope_dim: int, theta: float, dtype: torch.dtype):
+    """cos and sin [B, T, R] for frequencies theta^(-i / rope_dim), i = 0, 2, ...; R = 2 * ceil(rope_dim / 2)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=positions_BT.device)
+                                / rope_dim))
+    freqs = positions_BT.float().unsqueeze(-1) * inv_freq  # [B, T, R/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x_BHTD: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor) -> torch.Tensor:
+    """Rotate the first R dims of each head (rotate-half convention); the rest pass through."""
+    R = cos_BTR.shape[-1]
+    rot, rest = x_BHTD[..., :R], x_BHTD[..., R:]
+    x1, x2 = rot[..., : R // 2], rot[..., R // 2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos_BTR.unsqueeze(1), sin_BTR.unsqueeze(1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)

@@ -1,0 +1,114 @@
+"""The explicit per-sequence state a forward pass takes and returns. Nothing is cached on modules.
+
+Shapes: B batch, Hv GDN value heads, Dk/Dv GDN key/value dims, C conv channels, Kc conv kernel, Hkv attention KV
+heads, S cached keys, D head dim.
+
+Notable choices:
+- Attention caches store, per slot, the absolute position of the key (`key_pos`, -1 = empty slot). Masks are built
+  from positions, so sequences of different lengths share one rectangular cache (right-aligned, empty slots on the
+  left) and a sliding window is a comparison, not a copy.
+- After a committed forward, leading slots that no later query can see (older than the window, or empty in every
+  row) are dropped, so a sequence's cache never holds more than window + the last forward's tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import CloverConfig
+
+
+@dataclass
+class GDNState:
+    recurrent: torch.Tensor  # [B, Hv, Dk, Dv] fp32
+    conv: torch.Tensor  # [B, Kc-1, C] the last Kc-1 conv inputs
+
+    def select(self, idx: torch.Tensor) -> GDNState:
+        return GDNState(self.recurrent[idx], self.conv[idx])
+
+
+@dataclass
+class AttentionState:
+    keys: torch.Tensor  # [B, Hkv, S, D] after norm and RoPE
+    values: torch.Tensor  # [B, Hkv, S, D]
+    key_pos: torch.Tensor  # [B, S] int64 absolute position of each slot's key; -1 = empty
+
+    def select(self, idx: torch.Tensor) -> AttentionState:
+        return AttentionState(self.keys[idx], self.values[idx], self.key_pos[idx]).trimmed(None)
+
+    def trimmed(self, first_visible: torch.Tensor | None) -> AttentionState:
+        """Drop leading slots that are empty, or older than `first_visible` [B], in every row."""
+        live = self.key_pos >= 0
+        if first_visible is not None:
+            live &= self.key_pos >= first_visible[:, None]
+        any_live = live.any(0)
+        if bool(any_live.all()):
+            return self
+        start = int(any_live.int().argmax()) if bool(any_live.any()) else self.key_pos.shape[1]
+        return AttentionState(self.keys[:, :, start:], self.values[:, :, start:], self.key_pos[:, start:])
+
+
+@dataclass
+class CloverState:
+    layers: list[GDNState | AttentionState]  # one entry per layer, by layer type
+    positions: torch.Tensor  # [B] int64: tokens consumed so far (the next token's absolute position)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.positions.shape[0])
+
+    @classmethod
+    def empty(cls, config: CloverConfig, batch: int, *, device: torch.device | str = "cpu",
+              dtype: torch.dtype = torch.float32) -> CloverState:
+        layers: list[GDNState | AttentionState] = []
+        conv_channels = 2 * config.linear_key_dim + config.linear_value_dim
+        for kind in config.layer_types:
+            if kind == "linear_attention":
+                layers.append(GDNState(
+                    recurrent=torch.zeros(batch, config.linear_num_value_heads, config.linear_key_head_dim,
+                                          config.linear_value_head_dim, dtype=torch.float32, device=device),
+                    conv=torch.zeros(batch, config.linear_conv_kernel_dim - 1, conv_channels, dtype=dtype,
+                                     device=device),
+                ))
+            else:
+                kv = torch.zeros(batch, config.num_key_value_heads, 0, config.head_dim, dtype=dtype, device=device)
+                layers.append(AttentionState(kv, kv.clone(), torch.zeros(batch, 0, dtype=torch.long, device=device)))
+        return cls(layers, torch.zeros(batch, dtype=torch.long, device=device))
+
+    def select(self, idx: torch.Tensor | list[int]) -> CloverState:
+        """The sub-batch of rows `idx` (in that order)."""
+        idx = torch.as_tensor(idx, dtype=torch.long, device=self.positions.device)
+        return CloverState([layer.select(idx) for layer in self.layers], self.positions[idx])
+
+    @classmethod
+    def concat(cls, states: list[CloverState]) -> CloverState:
+        """Stack states of different sequences into one batch; attention caches are left-padded to one length."""
+        layers: list[GDNState | AttentionState] = []
+        for per_seq in zip(*(s.layers for s in states), strict=True):
+            first = per_seq[0]
+            if isinstance(first, GDNState):
+                layers.append(GDNState(torch.cat([s.recurrent for s in per_seq]),  # type: ignore[union-attr]
+                                       torch.cat([s.conv for s in per_seq])))  # type: ignore[union-attr]
+                continue
+            S = max(s.key_pos.shape[1] for s in per_seq)  # type: ignore[union-attr]
+
+            def pad(t: torch.Tensor, dim: int, value: float, S: int = S) -> torch.Tensor:
+                shape = list(t.shape)
+                shape[dim] = S - t.shape[dim]
+                return torch.cat([t.new_full(shape, value), t], dim=dim)
+
+            layers.append(AttentionState(
+                torch.cat([pad(s.keys, 2, 0.0) for s in per_seq]),  # type: ignore[union-attr]
+                torch.cat([pad(s.values, 2, 0.0) for s in per_seq]),  # type: ignore[union-attr]
+                torch.cat([pad(s.key_pos, 1, -1) for s in per_seq]),  # type: ignore[union-attr]
+            ))
+        return cls(layers, torch.cat([s.positions for s in states]))
+
+    def nbytes(self) -> int:
+        total = self.positions.numel() * 8
+        for layer in self.layers:
+            for t in vars(layer).values():
+                total += t.numel() * t.element_size()
+        return total
