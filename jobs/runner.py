@@ -56,10 +56,10 @@ def init_ray(address: str | None) -> bool:
     runtime_env = {"env_vars": fault_config()} if fault_config() else None
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
+        ray.init(address=address, log_to_driver=False, runtime_env=runtime_env, logging_level=logging.WARNING)
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+        ray.init(include_dashboard=False, log_to_driver=False, runtime_env=runtime_env, logging_level=logging.WARNING)
     return True
 
 
