@@ -11,18 +11,20 @@ Commit protocol, chosen so it needs no rename on object stores:
   visible only once its upload completes, so a reader never sees a partial object.
 - A document is done iff its doc_id is in a committed part. Re-runs skip done documents, and a run writes each
   document into exactly one part, so a run killed at any point and re-run yields exactly one row per document.
+- A part's name is derived from the run id and its rows' doc ids, so when Ray retries a write task whose worker
+  died after the commit, the retry overwrites the same part with the same rows instead of adding a duplicate.
 Readers (pyarrow datasets, pandas, duckdb on `*.parquet`) ignore `_tmp/` and `_reports/` (leading underscore, and
 no `.parquet` suffix on temporary files).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
 import os
 import posixpath
-import uuid
 from typing import Any
 
 import pyarrow as pa
@@ -86,12 +88,13 @@ def write_part(location: Location, table: pa.Table, run_id: str) -> str:
     """Commit `table` as one new part file; returns its URI."""
     fs, root = location.filesystem()
     root = root.rstrip("/")
-    name = f"part-{run_id}-{uuid.uuid4().hex[:12]}.parquet"
+    doc_ids = "\n".join(sorted(table.column("doc_id").to_pylist()))
+    name = f"part-{run_id}-{hashlib.sha256(doc_ids.encode()).hexdigest()[:16]}.parquet"
     final = posixpath.join(root, name)
     if _is_local(fs):
         tmp_dir = posixpath.join(root, TMP_DIR)
         os.makedirs(tmp_dir, exist_ok=True)
-        tmp = posixpath.join(tmp_dir, name + ".tmp")
+        tmp = posixpath.join(tmp_dir, f"{name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
             pq.write_table(table, f)
             f.flush()

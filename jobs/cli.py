@@ -81,7 +81,14 @@ def run(
             statuses = " ".join(f"{k}={v}" for k, v in sorted(p.by_status.items()))
             bar.update(task_id, total=p.total, completed=p.done, statuses=statuses)
 
-        result = run_job(spec, address=address, on_progress=on_progress)
+        try:
+            result = run_job(spec, address=address, on_progress=on_progress)
+        except Exception as e:  # a run-level failure (model cannot load, storage unreachable): say it plainly
+            if verbose:
+                raise
+            err_console.print(f"[red]run failed: {type(e).__name__}: {e}[/red]", highlight=False)
+            err_console.print("(rerun with --verbose for the traceback; finished documents are kept)")
+            raise typer.Exit(1) from None
     _print_report(result.report)
     console.print(f"run report: {result.report_uri}")
 

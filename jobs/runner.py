@@ -95,6 +95,8 @@ def run(
     run_id: str | None = None,
 ) -> RunResult:
     """Process every listed document that has no committed row yet; returns the run report."""
+    if spec.model.expert_parallel != 1:
+        raise ValueError("model.expert_parallel > 1 is not supported by the pipeline on this version")
     run_id = run_id or new_run_id()
     opts = pipeline_options(spec, run_id)
     started_ray = init_ray(address)

@@ -83,3 +83,13 @@ def test_output_reads_with_pyarrow_pandas_duckdb(tmp_path, n_parts):
     assert pq.read_table(str(tmp_path)).num_rows == 2 * n_parts
     assert len(pq.read_table(str(tmp_path)).to_pandas()) == 2 * n_parts
     assert duckdb.sql(f"select count(distinct doc_id) from '{tmp_path}/*.parquet'").fetchall()[0][0] == 2 * n_parts
+
+
+def test_retried_write_of_same_rows_replaces_its_part(tmp_path):
+    """Ray retries a write task whose worker died after committing: the retry must not add a second copy."""
+    out = Location(str(tmp_path))
+    first = write_part(out, _rows(["b", "a"]), "r1")
+    again = write_part(out, _rows(["a", "b"]), "r1")
+    assert first == again
+    assert len(committed_parts(out)) == 1 and read_output(out).num_rows == 2
+    assert write_part(out, _rows(["a", "b"]), "r2") != first  # another run is another part
