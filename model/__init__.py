@@ -11,13 +11,14 @@ import torch
 
 from .clover import CloverModel
 from .config import CloverConfig, ConfigError, DiffusionConfig, from_preset, is_preset
+from .generate import DecodeOptions, Generation, generate
 from .moe import Experts
 from .state import AttentionState, CloverState, GDNState
 from .weights import CheckpointError, init_random_weights, load_checkpoint_weights, read_config, save_checkpoint
 
 __all__ = [
     "AttentionState", "CheckpointError", "CloverConfig", "CloverModel", "CloverState", "ConfigError",
-    "DiffusionConfig", "GDNState", "build_model", "from_preset", "is_preset", "load_config", "load_model",
+    "DecodeOptions", "DiffusionConfig", "GDNState", "Generation", "build_model", "generate", "from_preset", "is_preset", "load_config", "load_model",
     "save_checkpoint",
 ]
 

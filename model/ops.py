@@ -46,12 +46,21 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def grouped_mm(x_NK: torch.Tensor, w_EOK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """Rows of x grouped by expert (offs: int32 end offsets) times each group's w.T: [N, K] x [E, O, K] -> [N, O]."""
-    w_EKO = w_EOK.transpose(1, 2)
-    if _upcast(x_NK):
-        return F.grouped_mm(x_NK.float(), w_EKO.float(), offs=offs_E).to(x_NK.dtype)
     if x_NK.device.type == "cuda" and x_NK.dtype != torch.bfloat16:
         return grouped_mm_reference(x_NK, w_EOK, offs_E)  # CUDA grouped GEMM is bf16-only
-    return F.grouped_mm(x_NK, w_EKO, offs=offs_E)
+    out_dtype = x_NK.dtype
+    if _upcast(x_NK):
+        x_NK, w_EOK = x_NK.float(), w_EOK.float()
+    w_EKO = w_EOK.transpose(1, 2)
+    if not (_strides_16b(x_NK) and _strides_16b(w_EKO)):
+        # torch's grouped GEMM rejects operands whose strides are not multiples of 16 bytes (e.g. an expert width
+        # of 14 in fp32); such small odd shapes take the loop.
+        return grouped_mm_reference(x_NK, w_EOK, offs_E).to(out_dtype)
+    return F.grouped_mm(x_NK, w_EKO, offs=offs_E).to(out_dtype)
+
+
+def _strides_16b(t: torch.Tensor) -> bool:
+    return all(s == 1 or (s * t.element_size()) % 16 == 0 for s in t.stride())
 
 
 def grouped_mm_reference(x_NK: torch.Tensor, w_EOK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
