@@ -17,8 +17,22 @@ from .state import AttentionState, CloverState, GDNState
 from .weights import CheckpointError, init_random_weights, load_checkpoint_weights, read_config, save_checkpoint
 
 __all__ = [
-    "AttentionState", "CheckpointError", "CloverConfig", "CloverModel", "CloverState", "ConfigError",
-    "DecodeOptions", "DiffusionConfig", "GDNState", "Generation", "build_model", "generate", "from_preset", "is_preset", "load_config", "load_model",
+    "AttentionState",
+    "CheckpointError",
+    "CloverConfig",
+    "CloverModel",
+    "CloverState",
+    "ConfigError",
+    "DecodeOptions",
+    "DiffusionConfig",
+    "GDNState",
+    "Generation",
+    "build_model",
+    "from_preset",
+    "generate",
+    "is_preset",
+    "load_config",
+    "load_model",
     "save_checkpoint",
 ]
 
