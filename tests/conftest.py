@@ -37,7 +37,7 @@ def write_good_docs(folder: Path) -> dict[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
     make_pdf(folder / "lease.pdf", ["Lease between A and B. Rent 100 EUR per month."])
     make_pdf(folder / "report.pdf", ["Page one: sales grew.", "Page two: costs fell.", "Page three: outlook good."])
-    (folder / "notes.txt").write_text("Meeting notes: ship on Friday.\n" + words(150), encoding="utf-8")
+    (folder / "notes.txt").write_text("Meeting notes: ship on Friday.\n" + words(45), encoding="utf-8")
     (folder / "faq.md").write_text("# FAQ\n\nIt summarizes documents.\n", encoding="utf-8")
     return {"lease.pdf": "pdf", "report.pdf": "pdf", "notes.txt": "text", "faq.md": "markdown"}
 
