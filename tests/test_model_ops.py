@@ -1,0 +1,186 @@
+"""Every fast kernel against its plain reference, on awkward shapes, comparing outputs and final states.
+
+Tolerances are relative to the reference's magnitude and every comparison first checks for NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from clover_batch.model import ops
+from clover_batch.model.moe import LocalDispatcher, Routing, dispatch, experts_reference, route
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, rtol: float, what: str = "") -> None:
+    """max |ours - ref| <= rtol * max |ref| (and no NaN in either)."""
+    assert ours.shape == ref.shape, what
+    assert not torch.isnan(ours).any(), f"{what}: NaN in ours"
+    assert not torch.isnan(ref).any(), f"{what}: NaN in reference"
+    if ref.numel() == 0:
+        return
+    err = float((ours.double() - ref.double()).abs().max())
+    scale = float(ref.double().abs().max())
+    assert err <= rtol * scale, f"{what}: max error {err:.3e} > {rtol} * {scale:.3e}"
+
+
+def gdn_inputs(B: int, T: int, H: int, K: int, V: int, seed: int, state_scale: float):
+    gen = torch.Generator().manual_seed(seed)
+    q = ops.l2norm(torch.randn(B, T, H, K, generator=gen))
+    k = ops.l2norm(torch.randn(B, T, H, K, generator=gen))
+    v = torch.randn(B, T, H, V, generator=gen)
+    # decays as the model makes them: g = -exp(A_log) * softplus(a + dt_bias), a mix of fast and slow heads
+    g = -torch.rand(H, generator=gen).mul(4).exp() * F.softplus(torch.randn(B, T, H, generator=gen))
+    beta = torch.rand(B, T, H, generator=gen)
+    state = torch.randn(B, H, K, V, generator=gen) * state_scale
+    return q, k, v, g, beta, state
+
+
+GDN_CASES = {
+    # id: (B, T, H, K, V, initial state scale)
+    "T1": (2, 1, 3, 16, 16, 1.0),
+    "T63-odd-dims": (1, 63, 3, 7, 5, 0.5),
+    "T64-one-chunk": (2, 64, 2, 16, 8, 0.0),
+    "T65-zero-state": (2, 65, 4, 8, 12, 0.0),
+    "T131-odd-heads": (2, 131, 5, 9, 11, 1.0),
+    "T200-head-dim-64": (1, 200, 2, 64, 64, 0.3),
+}
+
+
+@pytest.mark.parametrize("case", list(GDN_CASES), ids=list(GDN_CASES))
+def test_gdn_chunked_equals_recurrence(case):
+    B, T, H, K, V, s = GDN_CASES[case]
+    q, k, v, g, beta, state = gdn_inputs(B, T, H, K, V, seed=T, state_scale=s)
+    state_before = state.clone()
+    o_ref, S_ref = ops.gdn_recurrent(q, k, v, g, beta, state)
+    o, S = ops.gdn_chunked(q, k, v, g, beta, state)
+    assert_close(o, o_ref, 1e-4, "output")
+    assert_close(S, S_ref, 1e-4, "final state")
+    assert torch.equal(state, state_before)  # the initial state is never written in place
+    assert o.dtype == S.dtype == torch.float32
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 64, 128])
+def test_gdn_chunk_size_does_not_change_result(chunk):
+    q, k, v, g, beta, state = gdn_inputs(2, 150, 3, 16, 16, seed=1, state_scale=1.0)
+    o_ref, S_ref = ops.gdn_recurrent(q, k, v, g, beta, state)
+    o, S = ops.gdn_chunked(q, k, v, g, beta, state, chunk=chunk)
+    assert_close(o, o_ref, 1e-4, "output")
+    assert_close(S, S_ref, 1e-4, "final state")
+
+
+def test_gdn_bf16_inputs_run_in_fp32():
+    q, k, v, g, beta, state = gdn_inputs(1, 70, 2, 16, 16, seed=5, state_scale=1.0)
+    q16, k16, v16, b16 = (t.bfloat16() for t in (q, k, v, beta))
+    o_ref, S_ref = ops.gdn_recurrent(q16, k16, v16, g, b16, state)
+    o, S = ops.gdn_chunked(q16, k16, v16, g, b16, state)
+    assert o.dtype == S.dtype == torch.float32
+    assert_close(o, o_ref, 1e-4, "output")
+    assert_close(S, S_ref, 1e-4, "final state")
+
+
+def test_gdn_long_sequence_decay_stays_finite():
+    """Strong decays over many chunks: exp of the cumulative log decay must not overflow to inf/NaN."""
+    q, k, v, g, beta, state = gdn_inputs(1, 1000, 2, 8, 8, seed=9, state_scale=1.0)
+    g = g * 20  # decays around exp(-20) per token
+    o_ref, S_ref = ops.gdn_recurrent(q, k, v, g, beta, state)
+    o, S = ops.gdn_chunked(q, k, v, g, beta, state)
+    assert_close(o, o_ref, 1e-4, "output")
+    assert_close(S, S_ref, 1e-4, "final state")
+
+
+# ---- grouped matmul and MoE dispatch --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 7, 0], [1, 1, 1, 1], [0, 0, 0, 0]],
+                         ids=["mixed", "one-expert", "one-each", "empty"])
+@pytest.mark.parametrize("K,N_out", [(24, 10), (14, 20), (13, 7)], ids=["aligned", "K14", "K13-O7"])
+def test_grouped_mm_equals_reference(counts, K, N_out):
+    gen = torch.Generator().manual_seed(sum(counts))
+    x = torch.randn(sum(counts), K, generator=gen)
+    w = torch.randn(len(counts), N_out, K, generator=gen)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    assert_close(ops.grouped_mm(x, w, offs), ops.grouped_mm_reference(x, w, offs), 1e-5)
+    # and each row by hand
+    start = 0
+    for e, n in enumerate(counts):
+        for r in range(start, start + n):
+            torch.testing.assert_close(ops.grouped_mm(x, w, offs)[r], w[e] @ x[r], rtol=1e-5, atol=1e-5)
+        start += n
+
+
+def test_dispatch_sorts_pairs_by_expert():
+    experts = torch.tensor([[2, 0], [2, 3], [0, 2]])
+    d = dispatch(experts, num_experts=4)
+    assert d.order.tolist() == [1, 4, 0, 2, 5, 3]  # pairs (token*k + slot) of experts 0, 0, 2, 2, 2, 3
+    assert d.offsets.tolist() == [2, 2, 5, 6]
+    local = dispatch(experts, num_experts=2, first_expert=2)  # a rank holding experts 2 and 3
+    assert local.order.tolist() == [0, 2, 5, 3]
+    assert local.offsets.tolist() == [3, 4]
+
+
+class _Experts:
+    def __init__(self, gate_up, down):
+        self.gate_up_proj, self.down_proj = gate_up, down
+        self.first_expert, self.num_local = 0, gate_up.shape[0]
+
+
+@pytest.mark.parametrize("N,E,k", [(1, 4, 1), (37, 8, 2), (100, 5, 3), (64, 32, 4)], ids=lambda v: str(v))
+def test_moe_dispatch_equals_expert_loop(N, E, k):
+    gen = torch.Generator().manual_seed(N + E)
+    D, Iw = 20, 14
+    x = torch.randn(N, D, generator=gen)
+    router = torch.randn(E, D, generator=gen)
+    gate_up, down = torch.randn(E, 2 * Iw, D, generator=gen) * 0.2, torch.randn(E, D, Iw, generator=gen) * 0.2
+    routing = route(x, router, k, normalize=True)
+    torch.testing.assert_close(routing.weights.sum(-1), torch.ones(N))
+    ours = LocalDispatcher()(x, routing, _Experts(gate_up, down))
+    assert_close(ours, experts_reference(x, routing, gate_up, down), 1e-5)
+
+
+def test_moe_dispatch_bf16_close_to_fp32():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 32, generator=gen)
+    gate_up, down = torch.randn(6, 40, 32, generator=gen) * 0.2, torch.randn(6, 32, 20, generator=gen) * 0.2
+    routing = Routing(torch.rand(50, 2, generator=gen), torch.randint(0, 6, (50, 2), generator=gen))
+    ref = experts_reference(x, routing, gate_up, down)
+    r16 = Routing(routing.weights.bfloat16(), routing.experts)
+    ours = LocalDispatcher()(x.bfloat16(), r16, _Experts(gate_up.bfloat16(), down.bfloat16()))
+    assert ours.dtype == torch.bfloat16
+    assert_close(ours.float(), ref, 2e-2)
+
+
+# ---- attention, norms, conv -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("H,Hkv,T,S", [(4, 2, 5, 9), (3, 1, 1, 40), (2, 2, 33, 33)], ids=lambda v: str(v))
+def test_attention_equals_reference(H, Hkv, T, S):
+    gen = torch.Generator().manual_seed(T * S)
+    q = torch.randn(2, H, T, 12, generator=gen)
+    k, v = torch.randn(2, Hkv, S, 12, generator=gen), torch.randn(2, Hkv, S, 12, generator=gen)
+    mask = torch.rand(2, T, S, generator=gen) > 0.4
+    mask[..., -1] = True  # every query sees at least one key
+    assert_close(ops.attention(q, k, v, mask), ops.attention_reference(q, k, v, mask), 1e-5)
+
+
+def test_causal_conv_with_tail_equals_whole_sequence():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 30, 7, generator=gen)
+    w = torch.randn(7, 4, generator=gen)
+    whole, tail_whole = ops.causal_conv(x, w, torch.zeros(2, 3, 7))
+    a, tail = ops.causal_conv(x[:, :11], w, torch.zeros(2, 3, 7))
+    b, tail = ops.causal_conv(x[:, 11:12], w, tail)
+    c, tail = ops.causal_conv(x[:, 12:], w, tail)
+    torch.testing.assert_close(torch.cat([a, b, c], dim=1), whole)
+    assert torch.equal(tail, tail_whole)
+    assert torch.equal(tail, x[:, -3:])
+    # position 5, channel 2 by hand: silu(sum_j w[2, j] * x[5 - 3 + j, 2])
+    by_hand = F.silu((w[2] * x[0, 2:6, 2]).sum())
+    torch.testing.assert_close(whole[0, 5, 2], by_hand)
+
+
+def test_rms_norm_is_zero_centred():
+    x = torch.tensor([[3.0, 4.0]])
+    rms = (12.5 + 1e-6) ** 0.5
+    torch.testing.assert_close(ops.rms_norm(x, torch.zeros(2), 1e-6), x / rms)
+    torch.testing.assert_close(ops.rms_norm(x, torch.tensor([1.0, -1.0]), 1e-6), torch.tensor([[6.0, 0.0]]) / rms)

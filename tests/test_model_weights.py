@@ -1,0 +1,152 @@
+"""Checkpoint loading: bit-exact round trips, and bad checkpoints failing with errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from clover_batch.model import CheckpointError, ConfigError, load_model, save_checkpoint
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-ar", seed=3)
+
+
+@pytest.fixture(scope="module")
+def good_dir(tiny, tmp_path_factory) -> Path:
+    return save_checkpoint(tiny, tmp_path_factory.mktemp("good"))
+
+
+def _copy_with(src: Path, dst: Path, edit) -> Path:
+    """dst gets src's config.json and its tensors after `edit(dict)`."""
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    return dst
+
+
+def _edit_config(src: Path, dst: Path, edit) -> Path:
+    _copy_with(src, dst, lambda t: None)
+    config = json.loads((src / "config.json").read_text())
+    edit(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("per_expert", [False, True], ids=["packed", "per_expert"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_round_trip_is_bit_exact(per_expert, dtype, tmp_path):
+    model = load_model("tiny", seed=11, dtype=dtype)
+    save_checkpoint(model, tmp_path, per_expert=per_expert)
+    back = load_model(tmp_path, dtype=dtype)
+    assert back.config == model.config.replace(name=str(tmp_path))
+    ours, theirs = dict(model.named_parameters()), dict(back.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, p in ours.items():
+        assert theirs[name].dtype == dtype
+        assert torch.equal(p, theirs[name]), name
+    ids = torch.arange(40).reshape(2, 20)
+    assert torch.equal(model(ids)[0], back(ids)[0])
+
+
+def test_missing_tensor(good_dir, tmp_path):
+    _copy_with(good_dir, tmp_path, lambda t: t.pop("model.layers.1.linear_attn.A_log"))
+    with pytest.raises(CheckpointError, match=r"missing layers\.1\.linear_attn\.A_log"):
+        load_model(tmp_path)
+
+
+def test_missing_expert_of_per_expert_layout(tiny, tmp_path):
+    save_checkpoint(tiny, tmp_path, per_expert=True)
+    _copy_with(tmp_path, tmp_path, lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
+        load_model(tmp_path)
+
+
+def test_wrong_shape(good_dir, tmp_path):
+    def edit(t):
+        t["model.layers.3.self_attn.k_proj.weight"] = torch.zeros(31, 64)
+
+    _copy_with(good_dir, tmp_path, edit)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.3\.self_attn\.k_proj\.weight: shape \[31, 64\], "
+                                              r"expected \[32, 64\]"):
+        load_model(tmp_path)
+
+
+def test_wrong_shape_of_packed_experts(good_dir, tmp_path):
+    def edit(t):
+        t["model.layers.0.mlp.experts.down_proj"] = torch.zeros(8, 64, 31)
+
+    _copy_with(good_dir, tmp_path, edit)
+    with pytest.raises(CheckpointError, match=r"experts\.down_proj: shape \[8, 64, 31\]"):
+        load_model(tmp_path)
+
+
+def test_unexpected_tensor(good_dir, tmp_path):
+    def edit(t):
+        t["model.layers.0.linear_attn.surprise.weight"] = torch.zeros(2)
+
+    _copy_with(good_dir, tmp_path, edit)
+    with pytest.raises(CheckpointError, match=r"unexpected layers\.0\.linear_attn\.surprise\.weight"):
+        load_model(tmp_path)
+
+
+def test_all_problems_reported_together(good_dir, tmp_path):
+    def edit(t):
+        t.pop("model.norm.weight")
+        t["model.embed_tokens.weight"] = torch.zeros(3, 3)
+
+    _copy_with(good_dir, tmp_path, edit)
+    with pytest.raises(CheckpointError) as info:
+        load_model(tmp_path)
+    assert "missing norm.weight" in str(info.value)
+    assert "model.embed_tokens.weight: shape [3, 3], expected [512, 64]" in str(info.value)
+
+
+def test_unknown_layer_type(good_dir, tmp_path):
+    def edit(c):
+        c["layer_types"][2] = "sliding_attention"
+
+    _edit_config(good_dir, tmp_path, edit)
+    with pytest.raises(ConfigError, match=r"layer_types\[2\] is 'sliding_attention'"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_experts", "linear_value_head_dim"])
+def test_missing_config_field(good_dir, tmp_path, field):
+    _edit_config(good_dir, tmp_path, lambda c: c.pop(field))
+    with pytest.raises(ConfigError, match=rf"config\.json: missing required field '{field}'"):
+        load_model(tmp_path)
+
+
+def test_no_config_json(good_dir, tmp_path):
+    _copy_with(good_dir, tmp_path, lambda t: None)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ConfigError, match=r"no config\.json"):
+        load_model(tmp_path)
+
+
+def test_not_a_safetensors_checkpoint(good_dir, tmp_path):
+    (tmp_path / "config.json").write_text((good_dir / "config.json").read_text())
+    torch.save({"model.norm.weight": torch.zeros(64)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors files \(only safetensors checkpoints are read\)"):
+        load_model(tmp_path)
+
+
+def test_index_naming_a_missing_shard(good_dir, tmp_path):
+    _copy_with(good_dir, tmp_path, lambda t: None)
+    index = {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"shard files that do not exist: .*model-00002-of-00002"):
+        load_model(tmp_path)
+
+
+def test_unknown_source():
+    with pytest.raises(ConfigError, match=r"'no-such-model' is neither a preset nor a checkpoint directory"):
+        load_model("no-such-model")
