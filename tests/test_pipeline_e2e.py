@@ -14,7 +14,10 @@ from clover_batch.connectors.sink import committed_parts, read_output
 from clover_batch.jobs.cli import app
 from clover_batch.jobs.runner import run
 from clover_batch.jobs.spec import parse_job
+from clover_batch.model import generate, load_model
+from clover_batch.pipeline.parse import parse_document
 from clover_batch.pipeline.rows import OUTPUT_SCHEMA
+from clover_batch.pipeline.tokenizer import PromptBuilder
 from conftest import job_raw, requires_engine, write_bad_docs, write_good_docs, write_job
 from typer.testing import CliRunner
 
@@ -106,25 +109,13 @@ def test_rerun_skips_done_and_new_documents_are_processed(ray_session, tmp_path)
     assert by_name["new-b.pdf"]["doc_id"] != by_name["lease.pdf"]["doc_id"]
     assert by_name["new-b.pdf"]["output_text"] == by_name["lease.pdf"]["output_text"]
 
-
-def test_pipeline_answer_equals_direct_engine_call(ray_session, tmp_path):
-    """The pipeline's prompt, decode options and detokenizing match calling the engine by hand."""
-    from clover_batch.model import generate, load_model
-    from clover_batch.pipeline.parse import parse_document
-    from clover_batch.pipeline.tokenizer import PromptBuilder
-
-    docs = tmp_path / "docs"
-    write_good_docs(docs)
-    spec = parse_job(job_raw(str(docs), str(tmp_path / "out"), input={"include": ["faq.md"]}))
-    run(spec)
-    (row,) = read_output(Location(str(tmp_path / "out"))).to_pylist()
+    # the pipeline's prompt, decode options and detokenizing match calling the engine by hand
     builder = PromptBuilder("tiny")
-    text = parse_document("faq.md", (docs / "faq.md").read_bytes()).text
-    ids = builder.build("Summarize.", text)
+    ids = builder.build("Summarize.", parse_document("faq.md", (docs / "faq.md").read_bytes()).text)
     (gen,) = generate(load_model("tiny"), [ids], max_new_tokens=8, threshold=0.9, temperature=0.0)
-    assert row["input_tokens"] == len(ids)
-    assert row["output_tokens"] == len(gen.tokens)
-    assert row["output_text"] == builder.decode(gen.tokens)
+    assert by_name["faq.md"]["input_tokens"] == len(ids)
+    assert by_name["faq.md"]["output_tokens"] == len(gen.tokens)
+    assert by_name["faq.md"]["output_text"] == builder.decode(gen.tokens)
 
 
 def test_extract_task_checks_answers(ray_session, tmp_path):
