@@ -1,10 +1,152 @@
-"""Model commands of the CLI: `model init`, `model inspect`, `generate`."""
+"""Model commands of the CLI: `model init`, `model inspect`, `generate`.
+
+`model init` is the one place a preset becomes a checkpoint directory: the model package writes config.json and
+the weights (`save_checkpoint`), the pipeline package supplies the byte-level tokenizer, and this module puts them
+side by side. Every expected failure (unknown preset, bad checkpoint, existing output) is one red line and exit
+code 2, never a traceback.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
 import typer
+from rich.console import Console
+from rich.table import Table
 
 model_app = typer.Typer(help="Create and inspect checkpoints.", no_args_is_help=True)
+
+console = Console()
+err_console = Console(stderr=True)
+
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+class DType(StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class CommandError(Exception):
+    """A user-facing failure: shown as one line, exit code 2."""
+
+
+@contextmanager
+def _clean_errors() -> Iterator[None]:
+    """Known failures print their message and exit 2; anything else is a bug and keeps its traceback."""
+    from clover_batch.model import CheckpointError, ConfigError
+
+    try:
+        yield
+    except (CommandError, ConfigError, CheckpointError, FileNotFoundError, ValueError) as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+def write_checkpoint(preset: str, out: Path, *, seed: int = 0, dtype: str = "float32", per_expert: bool = False,
+                     overwrite: bool = False) -> Path:
+    """A complete checkpoint directory for `preset`: config.json, model.safetensors, tokenizer.json."""
+    import torch
+    from clover_batch.model import ConfigError, is_preset, load_model, save_checkpoint
+    from clover_batch.pipeline.tokenizer import build_byte_tokenizer
+
+    if not is_preset(preset):
+        from clover_batch.model.config import PRESETS
+
+        raise ConfigError(f"unknown preset {preset!r}; presets are {', '.join(sorted(PRESETS))}")
+    existing = [name for name in CHECKPOINT_FILES if (out / name).exists()]
+    if out.exists() and not out.is_dir():
+        raise CommandError(f"{out} exists and is not a directory")
+    if existing and not overwrite:
+        raise CommandError(f"{out} already holds a checkpoint ({', '.join(existing)}); pass --overwrite to replace it")
+    model = load_model(preset, seed=seed, dtype=getattr(torch, dtype))
+    tokenizer = build_byte_tokenizer()
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    if vocab > model.config.vocab_size:
+        raise ConfigError(f"preset {preset!r} has a vocabulary of {model.config.vocab_size}, smaller than the byte "
+                          f"tokenizer's {vocab} tokens")
+    save_checkpoint(model, out, per_expert=per_expert)
+    tokenizer.save(str(out / "tokenizer.json"))
+    return out
+
+
+@model_app.command("init")
+def init(
+    preset: Annotated[str, typer.Option(help="Preset to instantiate with random weights, e.g. tiny or bench.")],
+    out: Annotated[Path, typer.Option(help="Checkpoint directory to write (created if missing).")],
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+    dtype: Annotated[DType, typer.Option(help="Dtype of the stored weights.")] = DType.float32,
+    per_expert: Annotated[
+        bool, typer.Option("--per-expert", help="Store experts one tensor each (default: packed 3-D stacks).")
+    ] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a checkpoint already in --out.")] = False,
+) -> None:
+    """Write a checkpoint directory (config.json, model.safetensors, tokenizer.json) for a preset."""
+    with _clean_errors():
+        path = write_checkpoint(preset, out, seed=seed, dtype=dtype.value, per_expert=per_expert,
+                                overwrite=overwrite)
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    console.print(f"wrote {preset} ({dtype.value}, seed {seed}) to {path}: "
+                  f"{', '.join(CHECKPOINT_FILES)} ({size / 1e6:.1f} MB)", highlight=False, soft_wrap=True)
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit} ({n:,})"
+    return f"{n:,}"
+
+
+def architecture_table(source: str) -> Table:
+    """What `model inspect` prints: the config of a preset or checkpoint directory and its parameter counts."""
+    from clover_batch.model import load_config
+
+    cfg = load_config(source)
+    total, active = cfg.parameter_counts()
+    n_gdn = sum(kind == "linear_attention" for kind in cfg.layer_types)
+    table = Table(title=f"{source}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    if cfg.diffusion is not None:
+        d = cfg.diffusion
+        kind = (f"diffusion (block size {d.block_size}, mask token {d.mask_token_id}, prompt attention "
+                f"{d.prompt_attention}, logits shift {str(d.logits_shift).lower()})")
+    else:
+        kind = "autoregressive"
+    rows = [
+        ("model", kind),
+        ("parameters", _count(total)),
+        ("active per token", _count(active)),
+        ("layers", f"{cfg.num_hidden_layers}: {n_gdn} Gated DeltaNet, {cfg.num_hidden_layers - n_gdn} full attention"),
+        ("hidden size", str(cfg.hidden_size)),
+        ("attention", f"{cfg.num_attention_heads} query / {cfg.num_key_value_heads} kv heads of {cfg.head_dim}, "
+                      f"RoPE on {cfg.rotary_dim} dims (theta {cfg.rope_theta:g}), window {cfg.window_tokens}"),
+        ("Gated DeltaNet", f"{cfg.linear_num_key_heads} key / {cfg.linear_num_value_heads} value heads, "
+                           f"dims {cfg.linear_key_head_dim} / {cfg.linear_value_head_dim}, "
+                           f"conv kernel {cfg.linear_conv_kernel_dim}"),
+        ("experts", f"{cfg.num_experts} routed, top {cfg.num_experts_per_tok}, width {cfg.moe_intermediate_size}; "
+                    f"shared expert width {cfg.shared_expert_intermediate_size}"),
+        ("vocabulary", f"{cfg.vocab_size}, eos {list(cfg.eos_token_ids)}, "
+                       f"{'tied' if cfg.tie_word_embeddings else 'separate'} lm_head"),
+    ]
+    for field, value in rows:
+        table.add_row(field, value)
+    return table
+
+
+@model_app.command("inspect")
+def inspect(
+    source: Annotated[str, typer.Argument(help="Checkpoint directory or preset name.")],
+) -> None:
+    """Print a model's architecture, parameter counts (total and active per token) and whether it is a diffusion
+    model."""
+    with _clean_errors():
+        table = architecture_table(source)
+    console.print(table)
 
 
 def register_model_commands(app: typer.Typer) -> None:
