@@ -35,7 +35,7 @@ OUTPUT_SCHEMA = pa.schema(
         ("forward_passes", pa.int64()),
         ("denoising_steps", pa.int64()),
         ("stopped", pa.string()),  # eos | length
-        ("timings", TIMINGS_TYPE),  # seconds per stage; batch-level stages (infer) are per batch
+        ("timings", TIMINGS_TYPE),  # seconds per stage; infer and decode are this document's share of its batch
         ("model", pa.string()),
         ("task", pa.string()),  # summarize | extract
         ("job_name", pa.string()),
