@@ -64,6 +64,8 @@ def run(
     )
     if not verbose:
         # Ray Data logs each execution at INFO and warns that its bars are off: this CLI draws its own.
+        import ray.data  # noqa: F401  (Ray Data sets its loggers' levels on import; ours must come after)
+
         logging.getLogger("ray").setLevel(logging.WARNING)
         logging.getLogger("ray.data").setLevel(logging.ERROR)
     spec = _load(job, set_)
