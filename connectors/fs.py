@@ -107,6 +107,9 @@ def list_documents(location: Location, include: list[str], exclude: list[str]) -
     fs, root = location.filesystem()
     root = root.rstrip("/")
     fs.invalidate_cache()  # a scheduled re-run in the same process must see new files
+    if "file" in fs.protocol and not fs.exists(root):
+        # A missing local folder is a typo; an empty object-store prefix is just "nothing new yet".
+        raise FileNotFoundError(f"input folder {location.uri} does not exist")
     if fs.isfile(root):
         infos = {root: fs.info(root)}
         base = posixpath.dirname(root)

@@ -87,3 +87,10 @@ def test_read_refuses_files_over_limit(tmp_path):
     (tmp_path / "big.txt").write_bytes(b"x" * 100)
     with pytest.raises(ValueError, match="max_file_bytes=10"):
         read_bytes(str(tmp_path / "big.txt"), {}, max_bytes=10)
+
+
+def test_missing_local_folder_is_an_error_but_empty_s3_prefix_is_not(tmp_path, s3_server, s3_bucket):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        list_documents(Location(str(tmp_path / "typo")), ["*"], [])
+    bucket, _ = s3_bucket
+    assert list_documents(Location(f"s3://{bucket}/nothing-yet/", s3_server), ["*"], []) == []
