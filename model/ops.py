@@ -101,7 +101,25 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def causal_conv(x_BTC: torch.Tensor, w_CK: torch.Tensor, tail_BKC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv1d + SiLU over [tail, x]; returns (y [B, T, C], new tail [B, K-1, C])."""
+    """Depthwise causal conv1d + SiLU over [tail, x]; returns (y [B, T, C], new tail [B, K-1, C]).
+
+    K shifted multiply-adds in the channels-last layout the projections produce: 2-3x faster on CPU than conv1d,
+    which needs [B, C, T] and copies both ways. fp32 accumulation, as conv1d's bf16 kernels do.
+    """
+    T, K = x_BTC.shape[1], w_CK.shape[1]
+    xx = torch.cat([tail_BKC.to(x_BTC.dtype), x_BTC], dim=1)  # [B, K-1+T, C]
+    acc = xx if xx.dtype == torch.float32 else xx.float()
+    w = w_CK.float()
+    y = acc[:, 0:T] * w[:, 0]
+    for j in range(1, K):
+        y.addcmul_(acc[:, j:j + T], w[:, j])
+    new_tail = xx[:, xx.shape[1] - (K - 1):]
+    return F.silu(y).to(x_BTC.dtype), new_tail
+
+
+def causal_conv_reference(x_BTC: torch.Tensor, w_CK: torch.Tensor,
+                          tail_BKC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """conv1d over [B, C, T]: the reference for `causal_conv`."""
     K = w_CK.shape[1]
     xx = torch.cat([tail_BKC.to(x_BTC.dtype), x_BTC], dim=1)  # [B, K-1+T, C]
     y = F.conv1d(xx.transpose(1, 2), w_CK.unsqueeze(1).to(x_BTC.dtype), groups=w_CK.shape[0])  # [B, C, T]
@@ -159,25 +177,32 @@ def gdn_chunked(
     c = g.reshape(B, H, n, chunk).cumsum(-1)  # [B, H, n, L]
 
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    diff = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~lower, -math.inf)  # upper part -> exp() = 0
-    M = diff.exp()  # [B, H, n, L, L]
+    diff = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill_(~lower, -math.inf)  # upper part -> exp() = 0
+    M = diff.exp_()  # [B, H, n, L, L]
     kb = k * beta
-    A = (kb @ k.transpose(-1, -2)) * M
-    A = torch.eye(chunk, device=q.device) + A.tril(-1)
-    U = torch.linalg.solve_triangular(A, v * beta, upper=False, unitriangular=True)
-    Wk = torch.linalg.solve_triangular(A, kb * c.exp().unsqueeze(-1), upper=False, unitriangular=True)
-    QK = (q @ k.transpose(-1, -2)) * M  # lower incl. diagonal
-    q_dec = q * c.exp().unsqueeze(-1)
+    A = (kb @ k.transpose(-1, -2)).mul_(M).tril_(-1)
+    A.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    exp_c = c.exp().unsqueeze(-1)  # [B, H, n, L, 1]
+    # one triangular solve for both right-hand sides: [U | Wk] = A^-1 [beta V | beta K exp(c)]
+    UW = torch.linalg.solve_triangular(A, torch.cat([v * beta, kb * exp_c], dim=-1), upper=False,
+                                       unitriangular=True)
+    U = UW[..., :Vd]
+    QK = (q @ k.transpose(-1, -2)).mul_(M)  # lower incl. diagonal
+    # Wk and Q exp(c) both multiply the chunk's incoming state: stacked, one matmul per chunk serves both
+    WQ = torch.cat([UW[..., Vd:], q * exp_c], dim=-2)  # [B, H, n, 2L, K]
     c_last = c[..., -1:]  # [B, H, n, 1]
-    k_dec = k * (c_last - c).exp().unsqueeze(-1)
+    k_dec_t = (k * (c_last - c).exp().unsqueeze(-1)).transpose(-1, -2)  # [B, H, n, K, L]
     a_chunk = c_last.exp().unsqueeze(-1)  # [B, H, n, 1, 1]
 
     S = state_BHKV.float().clone()
     out = torch.empty(B, H, n, chunk, Vd, dtype=torch.float32, device=q.device)
     for i in range(n):
-        v_new = U[:, :, i] - Wk[:, :, i] @ S
-        out[:, :, i] = q_dec[:, :, i] @ S + QK[:, :, i] @ v_new
-        S = S * a_chunk[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
+        WQ_S = WQ[:, :, i] @ S  # [B, H, 2L, V]
+        v_new = U[:, :, i] - WQ_S[..., :chunk, :]
+        torch.baddbmm(WQ_S[..., chunk:, :].reshape(-1, chunk, Vd), QK[:, :, i].reshape(-1, chunk, chunk),
+                      v_new.reshape(-1, chunk, Vd), out=out[:, :, i].view(-1, chunk, Vd))
+        S = torch.baddbmm((S * a_chunk[:, :, i]).reshape(-1, Kd, Vd), k_dec_t[:, :, i].reshape(-1, Kd, chunk),
+                          v_new.reshape(-1, chunk, Vd)).view(B, H, Kd, Vd)
     out = out.reshape(B, H, n * chunk, Vd)[:, :, :T]
     return out.transpose(1, 2), S
 
@@ -192,13 +217,35 @@ def gdn(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- attention ----------------------------------------------------------------------------------------------
 
 
-def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, mask_BTS: torch.Tensor) -> torch.Tensor:
-    """Softmax attention with grouped KV heads and a boolean mask (True = may attend). Returns [B, H, T, D]."""
-    groups = q_BHTD.shape[1] // k_BHSD.shape[1]
-    if groups > 1:
-        k_BHSD = k_BHSD.repeat_interleave(groups, dim=1)
-        v_BHSD = v_BHSD.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_BTS.unsqueeze(1))
+ATTENTION_Q_TILE = 512  # queries per SDPA call when a long mask has key ranges nobody in the tile sees
+
+
+def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, mask_BTS: torch.Tensor, *,
+              q_tile: int = ATTENTION_Q_TILE) -> torch.Tensor:
+    """Softmax attention with grouped KV heads and a boolean mask (True = may attend). Returns [B, H, T, D].
+
+    SDPA computes every (query, key) score a mask allows or not. For long inputs the queries are cut into tiles of
+    `q_tile`, and each tile runs against only the key range [first, last] any of its queries may see: causal and
+    block-causal prefill skip about half the scores, a sliding window all but the window. Dropped keys are masked
+    for the whole tile, so the result is the same softmax.
+    """
+    T = q_BHTD.shape[2]
+    if T <= q_tile:
+        return _sdpa(q_BHTD, k_BHSD, v_BHSD, mask_BTS)
+    visible_TS = mask_BTS.any(0)
+    out = torch.empty_like(q_BHTD)
+    for start in range(0, T, q_tile):
+        end = min(start + q_tile, T)
+        cols = visible_TS[start:end].any(0).nonzero()
+        lo, hi = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, mask_BTS.shape[2])
+        out[:, :, start:end] = _sdpa(q_BHTD[:, :, start:end], k_BHSD[:, :, lo:hi], v_BHSD[:, :, lo:hi],
+                                     mask_BTS[:, start:end, lo:hi])
+    return out
+
+
+def _sdpa(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, mask_BTS: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_BTS.unsqueeze(1),
+                                          enable_gqa=q_BHTD.shape[1] != k_BHSD.shape[1])
 
 
 def attention_reference(q_BHTD, k_BHSD, v_BHSD, mask_BTS) -> torch.Tensor:

@@ -163,6 +163,49 @@ def test_attention_equals_reference(H, Hkv, T, S):
     assert_close(ops.attention(q, k, v, mask), ops.attention_reference(q, k, v, mask), 1e-5)
 
 
+def _mask(kind: str, T: int, cached: int, B: int = 2) -> torch.Tensor:
+    """[B, T, cached + T] masks as the model builds them, for queries at positions cached..cached+T-1."""
+    q_pos = torch.arange(cached, cached + T)[:, None]
+    k_pos = torch.arange(cached + T)[None, :]
+    if kind == "causal":
+        mask = k_pos <= q_pos
+    elif kind == "block-causal-8":
+        mask = k_pos <= (q_pos // 8 + 1) * 8 - 1
+    else:  # "window-20"
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - 20)
+    mask = mask.expand(B, T, cached + T).clone()
+    mask[1, :, :min(3, cached)] = False  # the second sequence is shorter: empty leading cache slots
+    return mask
+
+
+@pytest.mark.parametrize("kind", ["causal", "block-causal-8", "window-20"])
+@pytest.mark.parametrize("T,cached,q_tile", [(100, 0, 16), (77, 30, 32), (40, 5, 64)], ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tiled_attention_equals_reference(kind, T, cached, q_tile, dtype):
+    gen = torch.Generator().manual_seed(T)
+    S = cached + T
+    q = torch.randn(2, 4, T, 16, generator=gen).to(dtype)
+    k, v = torch.randn(2, 2, S, 16, generator=gen).to(dtype), torch.randn(2, 2, S, 16, generator=gen).to(dtype)
+    mask = _mask(kind, T, cached)
+    ours = ops.attention(q, k, v, mask, q_tile=q_tile)
+    assert ours.dtype == dtype
+    assert_close(ours.float(), ops.attention_reference(q, k, v, mask).float(), 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("T,C,K", [(1, 6, 4), (30, 7, 4), (65, 16, 2), (9, 5, 5)], ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_causal_conv_equals_reference(T, C, K, dtype):
+    gen = torch.Generator().manual_seed(T * C)
+    x = torch.randn(2, T, C, generator=gen).to(dtype)
+    w = torch.randn(C, K, generator=gen).to(dtype)
+    tail = torch.randn(2, K - 1, C, generator=gen).to(dtype)
+    y, new_tail = ops.causal_conv(x, w, tail)
+    y_ref, tail_ref = ops.causal_conv_reference(x, w, tail)
+    assert y.dtype == dtype
+    assert_close(y.float(), y_ref.float(), 1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(new_tail, tail_ref)
+
+
 def test_causal_conv_with_tail_equals_whole_sequence():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 30, 7, generator=gen)
