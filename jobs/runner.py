@@ -71,7 +71,8 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
     return PipelineOptions(
         input=Location(spec.input.uri, spec.input.storage_options),
         output=Location(spec.output.uri, spec.output.storage_options),
-        model=ModelRef(spec.model.source, spec.model.dtype, spec.model.storage_options, spec.model.cache_dir),
+        model=ModelRef(spec.model.source, spec.model.dtype, spec.model.storage_options, spec.model.cache_dir,
+                       spec.model.expert_parallel),
         task=TaskRef(task.kind, task.instruction, fields),
         decode=spec.decode.model_dump(),
         job_name=spec.name,
@@ -95,8 +96,11 @@ def run(
     run_id: str | None = None,
 ) -> RunResult:
     """Process every listed document that has no committed row yet; returns the run report."""
-    if spec.model.expert_parallel != 1:
-        raise ValueError("model.expert_parallel > 1 is not supported by the pipeline on this version")
+    if spec.model.expert_parallel > 1 and not spec.model.source.partition("://")[1]:  # URIs: checked on load
+        from clover_batch.model import load_config
+        from clover_batch.model.expert_parallel import check_expert_parallel
+
+        check_expert_parallel(load_config(spec.model.source), spec.model.expert_parallel)
     run_id = run_id or new_run_id()
     opts = pipeline_options(spec, run_id)
     started_ray = init_ray(address)

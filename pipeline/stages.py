@@ -41,6 +41,7 @@ class ModelRef:
     dtype: str = "float32"  # float32 | bfloat16
     storage_options: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | None = None
+    expert_parallel: int = 1  # ranks one replica's experts are spread over (rank 0 is the infer actor)
 
     def local(self) -> str:
         return local_checkpoint(self.source, self.storage_options, self.cache_dir)
@@ -143,7 +144,16 @@ class InferStage:
         torch.set_num_threads(max(1, num_threads))
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[model.dtype]
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = load_model(model.local(), device=device, dtype=dtype)
+        self.replica = None
+        if model.expert_parallel > 1:
+            from clover_batch.pipeline.expert_parallel import load_replica
+
+            self.replica = load_replica(model.local(), expert_parallel=model.expert_parallel, dtype=model.dtype,
+                                        device=device, num_threads=max(1, num_threads),
+                                        num_gpus_per_rank=1.0 if device == "cuda" else 0.0)
+            self.model = self.replica.model
+        else:
+            self.model = load_model(model.local(), device=device, dtype=dtype)
         self.decode = decode
         log.info("replica loaded %s on %s", self.model.config.name, device)
 

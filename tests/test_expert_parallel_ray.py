@@ -1,0 +1,73 @@
+"""Expert-parallel replicas in the Ray pipeline: expert_parallel: 2 writes what 1 writes, and a worker rank killed
+during the run is replaced without losing or doubling a document's row."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from clover_batch.connectors.fs import Location
+from clover_batch.connectors.sink import read_output
+from clover_batch.jobs.runner import run
+from clover_batch.jobs.spec import parse_job
+from conftest import job_raw, requires_engine, write_good_docs
+
+KEYS = ("status", "output_text", "output_tokens", "input_tokens", "forward_passes")
+
+
+def _rows(out) -> dict[str, tuple]:
+    table = read_output(Location(str(out)))
+    rows = table.to_pylist()
+    ids = [r["doc_id"] for r in rows]
+    assert len(ids) == len(set(ids)), "a document has two rows"
+    return {os.path.basename(r["source_uri"]): tuple(r[k] for k in KEYS) for r in rows}
+
+
+def _job(docs, out, n: int):
+    return parse_job(job_raw(str(docs), str(out), model={"source": "tiny", "expert_parallel": n},
+                             decode={"max_new_tokens": 24}, resources={"batch_size": 1}))
+
+
+@requires_engine
+def test_expert_parallel_2_writes_same_outputs_as_1(ray_session, tmp_path):
+    docs = tmp_path / "docs"
+    names = write_good_docs(docs)
+    run(_job(docs, tmp_path / "one", 1))
+    run(_job(docs, tmp_path / "two", 2))
+    one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert set(one) == set(names) and one == two
+    assert all(v[0] == "ok" and v[2] > 0 for v in one.values())
+
+
+def _kill_first_worker(stop: threading.Event, killed: list[int]) -> None:
+    from ray.util.state import list_actors
+
+    while not stop.is_set():
+        alive = list_actors(filters=[("class_name", "=", "RankWorker"), ("state", "=", "ALIVE")])
+        if alive and alive[0].pid:
+            time.sleep(1.0)  # let it serve some rounds: the kill lands during a document
+            os.kill(alive[0].pid, signal.SIGKILL)
+            killed.append(alive[0].pid)
+            return
+        time.sleep(0.2)
+
+
+@requires_engine
+def test_worker_killed_mid_run_every_document_once(ray_session, tmp_path):
+    docs = tmp_path / "docs"
+    names = write_good_docs(docs)
+    run(_job(docs, tmp_path / "ref", 1))
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_first_worker, args=(stop, killed), daemon=True)
+    killer.start()
+    try:
+        report = run(_job(docs, tmp_path / "out", 2)).report
+    finally:
+        stop.set()
+        killer.join()
+    assert killed, "no worker rank was seen to kill"
+    got = _rows(tmp_path / "out")
+    assert set(got) == set(names) and report["processed"] == len(names)
+    assert got == _rows(tmp_path / "ref")
