@@ -431,7 +431,15 @@ class ExpertParallelReplica:
         self.model = load_model(source, device=device, dtype=DTYPES[dtype], overrides=overrides,
                                 expert_range=expert_range(0, world, config.num_experts))
         self.group: ExpertGroup | None = None
-        self._connect()
+        for attempt in range(max_restarts + 1):
+            try:
+                self._connect()
+                break
+            except ExpertParallelError as e:
+                if attempt == max_restarts:
+                    raise
+                log.warning("%s; starting the workers again", e)
+                self.restarts += 1
 
     def _connect(self) -> None:
         store = dist.TCPStore(self.host, 0, self.world, is_master=True, wait_for_workers=False,

@@ -41,17 +41,29 @@ def test_expert_parallel_2_writes_same_outputs_as_1(ray_session, tmp_path):
     assert all(v[0] == "ok" and v[2] > 0 for v in one.values())
 
 
-def _kill_first_worker(stop: threading.Event, killed: list[int]) -> None:
-    from ray.util.state import list_actors
+def _worker_pids() -> list[int]:
+    """Ray names an actor's process after its class (`ray::RankWorker...`); the state API needs the dashboard."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(b"ray::RankWorker"):
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
 
+
+def _kill_first_worker(out, stop: threading.Event, killed: list[int]) -> None:
+    """Once a first document is committed (the replica is up and decoding), SIGKILL a worker rank."""
     while not stop.is_set():
-        alive = list_actors(filters=[("class_name", "=", "RankWorker"), ("state", "=", "ALIVE")])
-        if alive and alive[0].pid:
-            time.sleep(1.0)  # let it serve some rounds: the kill lands during a document
-            os.kill(alive[0].pid, signal.SIGKILL)
-            killed.append(alive[0].pid)
+        pids = _worker_pids()
+        if pids and read_output(Location(str(out))) is not None:
+            os.kill(pids[0], signal.SIGKILL)
+            killed.append(pids[0])
             return
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 @requires_engine
@@ -60,7 +72,7 @@ def test_worker_killed_mid_run_every_document_once(ray_session, tmp_path):
     names = write_good_docs(docs)
     run(_job(docs, tmp_path / "ref", 1))
     stop, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_first_worker, args=(stop, killed), daemon=True)
+    killer = threading.Thread(target=_kill_first_worker, args=(tmp_path / "out", stop, killed), daemon=True)
     killer.start()
     try:
         report = run(_job(docs, tmp_path / "out", 2)).report
@@ -70,4 +82,5 @@ def test_worker_killed_mid_run_every_document_once(ray_session, tmp_path):
     assert killed, "no worker rank was seen to kill"
     got = _rows(tmp_path / "out")
     assert set(got) == set(names) and report["processed"] == len(names)
+    assert not _worker_pids() or killed[0] not in _worker_pids()
     assert got == _rows(tmp_path / "ref")
