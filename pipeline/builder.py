@@ -48,6 +48,7 @@ class PipelineOptions:
     fallback_encoding: str | None = None
     prep_batch_size: int = 4  # documents per read/parse/tokenize task call
     prep_num_cpus: float = 0.5  # CPU share of one read/parse/tokenize task
+    prep_concurrency: int | None = None  # most cheap-stage tasks at once; None: 2 per replica
 
 
 def build_pipeline(docs: list[DocumentRef], opts: PipelineOptions) -> ray.data.Dataset:
@@ -59,7 +60,10 @@ def build_pipeline(docs: list[DocumentRef], opts: PipelineOptions) -> ray.data.D
     fmt = {"batch_format": "pyarrow", "zero_copy_batch": False}
     # A CPU share unlike the actors' keeps Ray from fusing the cheap stages into the actor: parsing then overlaps
     # with decoding instead of queueing behind it.
-    prep = {"batch_size": opts.prep_batch_size, "num_cpus": opts.prep_num_cpus, **fmt}
+    # Parsing is far cheaper than decoding, so a few task workers keep the actors fed; more would only spawn
+    # processes that compete with the actors for CPU while they start.
+    concurrency = opts.prep_concurrency or 2 * opts.replicas
+    prep = {"batch_size": opts.prep_batch_size, "num_cpus": opts.prep_num_cpus, "concurrency": concurrency, **fmt}
     return (
         ds.map_batches(ReadStage(opts.input.storage_options, opts.max_file_bytes), **prep)
         .map_batches(ParseStage(opts.fallback_encoding), **prep)
