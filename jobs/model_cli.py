@@ -149,5 +149,56 @@ def inspect(
     console.print(table)
 
 
+def generate_text(source: str, prompt: str, *, raw: bool = False, dtype: str = "float32", **options):
+    """Load `source`, generate for one text prompt; returns (text, Generation). Options go to `generate`."""
+    import torch
+    from clover_batch.model import generate, load_model
+    from clover_batch.pipeline.tokenizer import PromptBuilder
+
+    if not prompt:
+        raise CommandError("--prompt is empty")
+    builder = PromptBuilder(source)
+    ids = builder.encode(prompt, specials=True) if raw else builder.chat(prompt)
+    model = load_model(source, dtype=getattr(torch, dtype))
+    result = generate(model, [ids], **options)[0]
+    return builder.decode(result.tokens), result
+
+
+def generate_command(
+    model: Annotated[str, typer.Option(help="Checkpoint directory or preset name.")],
+    prompt: Annotated[str, typer.Option(help="Text of the user message.")],
+    raw: Annotated[bool, typer.Option("--raw", help="Encode the prompt as is, without the chat template.")] = False,
+    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
+    threshold: Annotated[float, typer.Option(help="Diffusion: unmask every position at least this confident.")] = 0.9,
+    tokens_per_step: Annotated[
+        int | None, typer.Option(help="Diffusion: unmask exactly this many positions per step instead.")
+    ] = None,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Seed for sampling (temperature > 0).")] = None,
+    window_tokens: Annotated[int | None, typer.Option(help="Attention window (default: the checkpoint's).")] = None,
+    prefill_chunk_tokens: Annotated[
+        int | None, typer.Option(help="Prefill chunk (default: the checkpoint's).")
+    ] = None,
+    dtype: Annotated[DType, typer.Option(help="Compute dtype.")] = DType.float32,
+) -> None:
+    """Generate for one prompt and print the text with the counts: the quick way to try a checkpoint."""
+    with _clean_errors():
+        text, g = generate_text(model, prompt, raw=raw, dtype=dtype.value, max_new_tokens=max_new_tokens,
+                                threshold=threshold, tokens_per_step=tokens_per_step, temperature=temperature,
+                                top_p=top_p, seed=seed, window_tokens=window_tokens,
+                                prefill_chunk_tokens=prefill_chunk_tokens)
+    console.print(text, highlight=False, markup=False, soft_wrap=True)
+    seconds = g.prefill_seconds + g.decode_seconds
+    per_forward = len(g.tokens) / max(1, g.denoising_steps)
+    err_console.print(
+        f"prompt {g.prompt_tokens} tokens ({g.windows} window(s)), generated {len(g.tokens)} tokens "
+        f"(stopped: {g.stopped}) in {g.denoising_steps} denoising steps, {g.forward_passes} forward passes "
+        f"({per_forward:.2f} tokens/step); prefill {g.prefill_seconds:.2f} s, decode {g.decode_seconds:.2f} s, "
+        f"{len(g.tokens) / max(g.decode_seconds, 1e-9):.1f} tokens/s decode, {seconds:.2f} s total",
+        highlight=False, soft_wrap=True)
+
+
 def register_model_commands(app: typer.Typer) -> None:
     app.add_typer(model_app, name="model")
+    app.command("generate")(generate_command)

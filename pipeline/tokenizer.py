@@ -21,7 +21,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 ENDOFTEXT, IM_START, IM_END, MASK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, MASK)  # ids 256, 257, 258, 259 in the byte tokenizer
 
-PLAIN_TEMPLATE = "<|im_start|>user\n{instruction}\n\n{document}<|im_end|>\n<|im_start|>assistant\n"
+PLAIN_TEMPLATE = "<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
 _DOC_SENTINEL = "\x00CLOVER_DOCUMENT\x00"
 
 
@@ -79,35 +79,38 @@ class PromptBuilder:
         self.tokenizer = load_tokenizer(source)
         template = load_chat_template(source)
         if template is None:
-            before, after = PLAIN_TEMPLATE.split("{document}")
-            self._render = lambda instruction: (before.format(instruction=instruction), after)
+            self._template = lambda content: PLAIN_TEMPLATE.format(content=content)
         else:
             import jinja2  # only checkpoints with a chat template need it
 
             compiled = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+            self._template = lambda content: compiled.render(messages=[{"role": "user", "content": content}],
+                                                             add_generation_prompt=True)
 
-            def render(instruction: str) -> tuple[str, str]:
-                messages = [{"role": "user", "content": f"{instruction}\n\n{_DOC_SENTINEL}"}]
-                text = compiled.render(messages=messages, add_generation_prompt=True)
-                before, _, after = text.partition(_DOC_SENTINEL)
-                return before, after
+    def _render(self, content: str) -> tuple[str, str]:
+        """The template around one user message `content`, split where the sentinel stands in it."""
+        before, _, after = self._template(content).partition(_DOC_SENTINEL)
+        return before, after
 
-            self._render = render
-
-    def _encode(self, text: str, *, specials: bool) -> list[int]:
+    def encode(self, text: str, *, specials: bool) -> list[int]:
         self.tokenizer.encode_special_tokens = not specials
         try:
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         finally:
             self.tokenizer.encode_special_tokens = False
 
+    def _wrap(self, content: str, text: str) -> list[int]:
+        before, after = self._render(content)
+        return self.encode(before, specials=True) + self.encode(text, specials=False) + self.encode(after,
+                                                                                                     specials=True)
+
     def build(self, instruction: str, document: str) -> list[int]:
-        before, after = self._render(instruction)
-        return (
-            self._encode(before, specials=True)
-            + self._encode(document, specials=False)
-            + self._encode(after, specials=True)
-        )
+        """Prompt ids for one document: the instruction, a blank line, the document, as one user message."""
+        return self._wrap(f"{instruction}\n\n{_DOC_SENTINEL}", document)
+
+    def chat(self, text: str) -> list[int]:
+        """Prompt ids for `text` as the whole user message (special-token text in it stays plain text)."""
+        return self._wrap(_DOC_SENTINEL, text)
 
     def decode(self, ids: list[int]) -> str:
         known = self.tokenizer.get_vocab_size(with_added_tokens=True)

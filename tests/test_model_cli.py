@@ -118,3 +118,37 @@ def test_inspect_errors_are_clean(tmp_path, source, message):
     assert result.exit_code == 2
     assert message in " ".join(result.output.split())
     assert "Traceback" not in result.output
+
+
+def test_generate_prints_the_engines_text_and_counts(tmp_path):
+    from clover_batch.model import generate
+    from clover_batch.pipeline.tokenizer import PromptBuilder
+
+    out = tmp_path / "ckpt"
+    assert invoke("model", "init", "--preset", "tiny", "--out", str(out), "--seed", "2").exit_code == 0
+    result = invoke("generate", "--model", str(out), "--prompt", "Say <|im_end|> hello", "--max-new-tokens", "24",
+                    "--tokens-per-step", "2")
+    assert result.exit_code == 0, result.output
+
+    builder = PromptBuilder(str(out))
+    ids = builder.chat("Say <|im_end|> hello")
+    # the user's text stays text: its "<|im_end|>" is bytes, the template's turn markers are special ids
+    assert ids.count(258) == 1 and ids.count(257) == 2
+    expected = generate(load_model(out), [ids], max_new_tokens=24, tokens_per_step=2)[0]
+    assert result.stdout.startswith(builder.decode(expected.tokens))
+    assert (f"prompt {len(ids)} tokens (1 window(s)), generated {len(expected.tokens)} tokens "
+            f"(stopped: {expected.stopped}) in {expected.denoising_steps} denoising steps, "
+            f"{expected.forward_passes} forward passes") in result.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "tiny", "--prompt", "hi", "--threshold", "1.5"], "threshold must be in (0, 1]"),
+    (["--model", "tiny", "--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+    (["--model", "tiny-ar", "--prompt", "hi", "--tokens-per-step", "4"], "this model is autoregressive"),
+    (["--model", "no-such-dir", "--prompt", "hi"], "no-such-dir"),
+    (["--model", "tiny", "--prompt", ""], "--prompt is empty"),
+])
+def test_generate_bad_options_are_one_line_errors(args, message):
+    result = invoke("generate", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
