@@ -85,8 +85,9 @@ def main() -> None:
             theirs = Qwen3_5MoeForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
         prompt = prompts[args.batches[0]][:1]
         with torch.no_grad():
-            ref = theirs.generate(torch.tensor(prompt), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0)[0, len(prompt[0]):].tolist()
+            ids = torch.tensor(prompt)
+            ref = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(prompt[0]):].tolist()
         got = generate(ar, prompt, max_new_tokens=32, stop_token_ids=[])[0].tokens
         if got != ref:
             raise SystemExit("greedy autoregressive output differs from transformers' generate; not timing")
@@ -96,7 +97,7 @@ def main() -> None:
         ids = torch.tensor(prompts[B])
 
         def run(n: int):
-            with torch.no_grad():
+            with torch.no_grad():  # explicit mask: without one, generate takes prompt ids equal to pad for padding
                 return theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                        do_sample=False, eos_token_id=None, pad_token_id=0)
         return run

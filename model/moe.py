@@ -59,6 +59,10 @@ def dispatch(expert_ids: torch.Tensor, num_experts: int, first_expert: int = 0) 
 def expert_mlp(x_PD: torch.Tensor, gate_up_EFD: torch.Tensor, down_EDI: torch.Tensor,
                offsets_E: torch.Tensor) -> torch.Tensor:
     """Rows grouped by expert through their expert's SiLU-gated MLP: [P, D] -> [P, D]."""
+    padded = ops.PaddedGroups.plan(offsets_E, x_PD.device)
+    if padded is not None:  # CPU: one padded bmm per GEMM (see ops.PaddedGroups)
+        gate, up = padded.mm(padded.pad(x_PD), gate_up_EFD).chunk(2, dim=-1)
+        return padded.unpad(padded.mm(F.silu(gate) * up, down_EDI))
     h = ops.grouped_mm(x_PD, gate_up_EFD, offsets_E)  # [P, 2I]
     gate, up = h.chunk(2, dim=-1)
     return ops.grouped_mm(F.silu(gate) * up, down_EDI, offsets_E)

@@ -118,7 +118,8 @@ def _assemble(name: str, srcs: list[Source], expected: torch.Size, experts: Expe
         if experts is not None:  # packed [E_total, ...]: take our contiguous range
             full = [experts.num_local if i == 0 else s for i, s in enumerate(expected)]
             if len(shape) != len(full) or shape[1:] != full[1:] or shape[0] < experts.first_expert + experts.num_local:
-                problems.append(f"{srcs[0].key}: shape {shape}, expected [num_experts, {', '.join(map(str, full[1:]))}]")
+                tail = ", ".join(map(str, full[1:]))
+                problems.append(f"{srcs[0].key}: shape {shape}, expected [num_experts, {tail}]")
                 return None
             return sl[experts.first_expert: experts.first_expert + experts.num_local]
         if shape != list(expected):
