@@ -161,7 +161,11 @@ class InferStage:
         from clover_batch.model import generate
 
         start = time.perf_counter()
-        gens = generate(self.model, [r["prompt_ids"] for r in rows], **self.decode)
+        prompts = [r["prompt_ids"] for r in rows]
+        if self.replica is not None:  # restarts failed worker ranks and reruns the call
+            gens = self.replica.generate(prompts, **self.decode)
+        else:
+            gens = generate(self.model, prompts, **self.decode)
         share = (time.perf_counter() - start) / len(rows)
         for row, gen in zip(rows, gens, strict=True):
             # Batch-level times are split evenly, so per-stage sums over documents add up to the actor's busy time.
@@ -182,11 +186,15 @@ class InferStage:
             )
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        from clover_batch.model.expert_parallel import ExpertParallelError
+
         rows = to_rows(batch)
         todo = [r for r in rows if _ok(r)]
         if todo:
             try:
                 self._generate(todo)
+            except ExpertParallelError:
+                raise  # the replica is broken past its restarts: not the documents' fault, so no rows for them
             except Exception as e:
                 # Find the document that broke the batch: rerun one by one so the others still get results.
                 log.warning("batch of %d failed (%s); retrying documents one by one", len(todo), e)

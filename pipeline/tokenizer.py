@@ -101,8 +101,8 @@ class PromptBuilder:
 
     def _wrap(self, content: str, text: str) -> list[int]:
         before, after = self._render(content)
-        return self.encode(before, specials=True) + self.encode(text, specials=False) + self.encode(after,
-                                                                                                     specials=True)
+        middle = self.encode(text, specials=False)
+        return self.encode(before, specials=True) + middle + self.encode(after, specials=True)
 
     def build(self, instruction: str, document: str) -> list[int]:
         """Prompt ids for one document: the instruction, a blank line, the document, as one user message."""

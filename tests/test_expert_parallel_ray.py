@@ -27,7 +27,8 @@ def _rows(out) -> dict[str, tuple]:
 
 def _job(docs, out, n: int):
     return parse_job(job_raw(str(docs), str(out), model={"source": "tiny", "expert_parallel": n},
-                             decode={"max_new_tokens": 24}, resources={"batch_size": 1}))
+                             decode={"max_new_tokens": 24}, resources={"batch_size": 1},
+                             output={"rows_per_file": 1}))
 
 
 @requires_engine
@@ -56,12 +57,14 @@ def _worker_pids() -> list[int]:
 
 
 def _kill_first_worker(out, stop: threading.Event, killed: list[int]) -> None:
-    """Once a first document is committed (the replica is up and decoding), SIGKILL a worker rank."""
+    """Once a first document is committed (the replica is up and decoding), SIGKILL a worker rank; records
+    (pid, rows committed at that moment)."""
     while not stop.is_set():
         pids = _worker_pids()
-        if pids and read_output(Location(str(out))) is not None:
+        table = read_output(Location(str(out))) if pids else None
+        if table is not None:
             os.kill(pids[0], signal.SIGKILL)
-            killed.append(pids[0])
+            killed.append((pids[0], table.num_rows))
             return
         time.sleep(0.05)
 
@@ -70,6 +73,9 @@ def _kill_first_worker(out, stop: threading.Event, killed: list[int]) -> None:
 def test_worker_killed_mid_run_every_document_once(ray_session, tmp_path):
     docs = tmp_path / "docs"
     names = write_good_docs(docs)
+    for i in range(4):  # more documents than are done when the kill lands: the kill is mid-run
+        (docs / f"extra-{i}.txt").write_text(f"Extra document {i}: " + "renewal notice " * (10 + 5 * i))
+        names[f"extra-{i}.txt"] = "text"
     run(_job(docs, tmp_path / "ref", 1))
     stop, killed = threading.Event(), []
     killer = threading.Thread(target=_kill_first_worker, args=(tmp_path / "out", stop, killed), daemon=True)
@@ -80,7 +86,9 @@ def test_worker_killed_mid_run_every_document_once(ray_session, tmp_path):
         stop.set()
         killer.join()
     assert killed, "no worker rank was seen to kill"
+    pid, rows_at_kill = killed[0]
+    assert rows_at_kill < len(names), "the kill landed after every document was done"
     got = _rows(tmp_path / "out")
     assert set(got) == set(names) and report["processed"] == len(names)
-    assert not _worker_pids() or killed[0] not in _worker_pids()
+    assert pid not in _worker_pids()
     assert got == _rows(tmp_path / "ref")
