@@ -25,7 +25,10 @@ class CloverModel(nn.Module):
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight: skip nn.Embedding's normal_ init, which on the meta device imports torch's decompositions
+        # (~2 s, once per process); every weight is assigned from the checkpoint or the seeded init anyway.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, kind) for kind in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,

@@ -80,14 +80,16 @@ class PaddedGroups:
 
     @staticmethod
     def plan(offs_E: torch.Tensor, device: torch.device) -> PaddedGroups | None:
-        """A layout when it pays: CPU, more than half of the experts with rows, and padding at most tripling the
+        """A layout when it pays: CPU, at most 64 rows per expert (at prefill sizes, hundreds of rows per expert,
+        the grouped GEMM is ~6% faster), more than half of the experts with rows, and padding at most tripling the
         rows (a padded bmm with 3x the rows still beats the grouped GEMM at few rows per expert); else None."""
         if device.type != "cpu" or offs_E.numel() == 0:
             return None
         ends = offs_E.tolist()  # decided in Python: this runs per MoE layer per step, tensors only if it pays
         counts = [b - a for a, b in zip([0, *ends[:-1]], ends, strict=True)]
         E, P = len(counts), ends[-1]
-        if P == 0 or 2 * sum(c > 0 for c in counts) <= E or E * max(counts) > 3 * P + E:
+        M = max(counts, default=0)
+        if P == 0 or M > 64 or 2 * sum(c > 0 for c in counts) <= E or E * M > 3 * P + E:
             return None
         return PaddedGroups(counts)
 
