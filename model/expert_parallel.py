@@ -463,16 +463,13 @@ class ExpertParallelReplica:
         """Wait (up to join_timeout_s) for every worker to load its experts; a worker that exits fails at once."""
         keys = [f"loaded/{r}" for r in range(1, self.world)]
         deadline = time.monotonic() + self.join_timeout_s
-        while True:
-            try:
-                store.wait(keys, datetime.timedelta(seconds=1))
-                return
-            except (RuntimeError, dist.DistStoreError):
-                failure = self.launcher.failure()
-                if failure:
-                    raise RuntimeError(f"a worker exited while loading: {failure}") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"workers did not load within {self.join_timeout_s:g}s") from None
+        while not store.check(keys):  # polled: a timed-out store.wait makes c10d print warnings every second
+            failure = self.launcher.failure()
+            if failure:
+                raise RuntimeError(f"a worker exited while loading: {failure}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers did not load within {self.join_timeout_s:g}s")
+            time.sleep(0.05)
 
     def _dead_worker(self, grace_s: float = 2.0) -> str | None:
         """Which worker exited, waiting briefly: a reset connection can be seen before the exit is."""
