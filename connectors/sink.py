@@ -4,6 +4,7 @@ Layout of an output folder:
     part-<run_id>-<uuid>.parquet     committed parts; each row is one finished document
     _tmp/<name>.parquet.tmp          parts being written (local filesystems only), cleaned up by the next run
     _reports/<run_id>.json           one run report per run
+    _job.json                        what the rows were made with (model, task, decode); see `check_manifest`
 
 Commit protocol, chosen so it needs no rename on object stores:
 - Local filesystems: write `_tmp/<name>.parquet.tmp`, fsync, then rename into place (rename is atomic on POSIX).
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 TMP_DIR = "_tmp"
 REPORTS_DIR = "_reports"
+MANIFEST = "_job.json"
 
 
 def _is_local(fs) -> bool:
@@ -117,3 +119,48 @@ def write_report(location: Location, run_id: str, report: dict[str, Any]) -> str
         os.makedirs(posixpath.dirname(path), exist_ok=True)
     fs.pipe_file(path, json.dumps(report, indent=2, sort_keys=True).encode())
     return location.join(REPORTS_DIR, f"{run_id}.json")
+
+
+class OutputConflict(ValueError):
+    """The output folder holds rows made by a different job configuration."""
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): value}
+
+
+def check_manifest(location: Location, settings: dict[str, Any]) -> bool:
+    """Guard an output folder against mixing rows made with different settings (model, task, decode).
+
+    The first run writes `settings` to `_job.json`; later runs must bring the same settings, else
+    `OutputConflict` names each setting that differs. Without this guard a scheduled re-run with, say, a new
+    instruction would skip every done document and leave old and new answers side by side. Returns True when
+    this call wrote the manifest.
+    """
+    fs, root = location.filesystem()
+    path = posixpath.join(root.rstrip("/"), MANIFEST)
+    canonical = json.loads(json.dumps(settings, sort_keys=True, default=str))
+    if fs.exists(path):
+        try:
+            stored = json.loads(fs.cat_file(path))
+        except (ValueError, OSError) as e:
+            raise OutputConflict(f"{location.join(MANIFEST)} is unreadable ({e}); remove it only if every row in "
+                                 f"the output was made by this job") from None
+        if stored != canonical:
+            old, new = _flatten(stored), _flatten(canonical)
+            changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
+                       if old.get(k) != new.get(k)]
+            raise OutputConflict(
+                f"output {location.uri} holds rows made with other settings ({'; '.join(changed)}). Write to a new "
+                f"output.uri, or delete {MANIFEST} there to accept rows made with both settings."
+            )
+        return False
+    if _is_local(fs):
+        os.makedirs(root, exist_ok=True)
+    fs.pipe_file(path, json.dumps(canonical, indent=2, sort_keys=True).encode())
+    return True

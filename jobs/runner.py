@@ -19,7 +19,13 @@ from typing import Any
 import ray
 from clover_batch.connectors.faults import fault_config
 from clover_batch.connectors.fs import Location, list_documents
-from clover_batch.connectors.sink import clean_temporaries, done_doc_ids, read_output, write_report
+from clover_batch.connectors.sink import (
+    check_manifest,
+    clean_temporaries,
+    done_doc_ids,
+    read_output,
+    write_report,
+)
 from clover_batch.jobs.spec import JobSpec
 from clover_batch.pipeline.builder import PipelineOptions, build_pipeline
 from clover_batch.pipeline.postprocess import FieldRule
@@ -88,6 +94,15 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
     )
 
 
+def output_settings(spec: JobSpec) -> dict[str, Any]:
+    """What a row's content depends on: rows made with other settings must not share an output folder."""
+    return {
+        "model": {"source": spec.model.source, "dtype": spec.model.dtype},
+        "task": spec.task.model_dump(mode="json"),
+        "decode": spec.decode.model_dump(mode="json"),
+    }
+
+
 def run(
     spec: JobSpec,
     *,
@@ -103,6 +118,7 @@ def run(
         check_expert_parallel(load_config(spec.model.source), spec.model.expert_parallel)
     run_id = run_id or new_run_id()
     opts = pipeline_options(spec, run_id)
+    check_manifest(opts.output, output_settings(spec))  # before Ray starts: a conflict fails in a second
     started_ray = init_ray(address)
     try:
         ctx = ray.data.DataContext.get_current()

@@ -93,3 +93,29 @@ def test_retried_write_of_same_rows_replaces_its_part(tmp_path):
     assert first == again
     assert len(committed_parts(out)) == 1 and read_output(out).num_rows == 2
     assert write_part(out, _rows(["a", "b"]), "r2") != first  # another run is another part
+
+
+@pytest.mark.parametrize("uri", ["local", "memory://manifest-test/out"])
+def test_manifest_guards_output_against_other_settings(tmp_path, uri):
+    from clover_batch.connectors.sink import MANIFEST, OutputConflict, check_manifest
+
+    location = Location(str(tmp_path / "out") if uri == "local" else uri)
+    settings = {"model": {"source": "tiny", "dtype": "float32"}, "task": {"kind": "summarize",
+                "instruction": "Summarize."}, "decode": {"max_new_tokens": 8}}
+    assert check_manifest(location, settings) is True  # first run writes it
+    fs, root = location.filesystem()
+    assert json.loads(fs.cat_file(f"{root.rstrip('/')}/{MANIFEST}")) == settings
+    assert check_manifest(location, json.loads(json.dumps(settings))) is False  # same settings: fine
+
+    changed = {**settings, "task": {"kind": "summarize", "instruction": "Summarize in French."},
+               "decode": {"max_new_tokens": 8, "seed": 1}}
+    with pytest.raises(OutputConflict) as e:
+        check_manifest(location, changed)
+    message = str(e.value)
+    assert "task.instruction: 'Summarize.' -> 'Summarize in French.'" in message
+    assert "decode.seed: None -> 1" in message and "max_new_tokens" not in message
+    assert json.loads(fs.cat_file(f"{root.rstrip('/')}/{MANIFEST}")) == settings  # not overwritten
+
+    fs.pipe_file(f"{root.rstrip('/')}/{MANIFEST}", b"{not json")
+    with pytest.raises(OutputConflict, match="unreadable"):
+        check_manifest(location, settings)

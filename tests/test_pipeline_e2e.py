@@ -10,7 +10,7 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 from clover_batch.connectors.fs import Location
-from clover_batch.connectors.sink import committed_parts, read_output
+from clover_batch.connectors.sink import OutputConflict, committed_parts, read_output
 from clover_batch.jobs.cli import app
 from clover_batch.jobs.runner import run
 from clover_batch.jobs.spec import parse_job
@@ -108,6 +108,13 @@ def test_rerun_skips_done_and_new_documents_are_processed(ray_session, tmp_path)
     by_name = {os.path.basename(r["source_uri"]): r for r in table.to_pylist()}
     assert by_name["new-b.pdf"]["doc_id"] != by_name["lease.pdf"]["doc_id"]
     assert by_name["new-b.pdf"]["output_text"] == by_name["lease.pdf"]["output_text"]
+
+    # the same output with another instruction would mix answers: refused before any work, output unchanged
+    changed = parse_job(job_raw(str(docs), str(out), resources={"batch_size": 1},
+                                task={"kind": "summarize", "instruction": "Summarize in French."}))
+    with pytest.raises(OutputConflict, match=r"task\.instruction: 'Summarize\.' -> 'Summarize in French\.'"):
+        run(changed)
+    assert read_output(Location(str(out))).num_rows == 6
 
     # the pipeline's prompt, decode options and detokenizing match calling the engine by hand
     builder = PromptBuilder("tiny")

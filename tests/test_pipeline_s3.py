@@ -31,7 +31,7 @@ def test_s3_in_and_out(ray_session, s3_server, s3_bucket, tmp_path):
 
     keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="results/")["Contents"])
     parts = [k for k in keys if k.endswith(".parquet")]
-    assert keys == sorted([*parts, f"results/_reports/{report['run_id']}.json"])
+    assert keys == sorted([*parts, "results/_job.json", f"results/_reports/{report['run_id']}.json"])
     rows = []
     for key in parts:
         body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
