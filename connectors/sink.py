@@ -5,6 +5,7 @@ Layout of an output folder:
     _tmp/<name>.parquet.tmp          parts being written (local filesystems only), cleaned up by the next run
     _reports/<run_id>.json           one run report per run
     _job.json                        what the rows were made with (model, task, decode); see `check_manifest`
+    _lock.json                       the run writing now (run id, host, pid, heartbeat); see `OutputLock`
 
 Commit protocol, chosen so it needs no rename on object stores:
 - Local filesystems: write `_tmp/<name>.parquet.tmp`, fsync, then rename into place (rename is atomic on POSIX).
@@ -26,6 +27,9 @@ import json
 import logging
 import os
 import posixpath
+import socket
+import threading
+import time
 from typing import Any
 
 import pyarrow as pa
@@ -38,6 +42,7 @@ log = logging.getLogger(__name__)
 TMP_DIR = "_tmp"
 REPORTS_DIR = "_reports"
 MANIFEST = "_job.json"
+LOCK = "_lock.json"
 
 
 def _is_local(fs) -> bool:
@@ -164,3 +169,105 @@ def check_manifest(location: Location, settings: dict[str, Any]) -> bool:
         os.makedirs(root, exist_ok=True)
     fs.pipe_file(path, json.dumps(canonical, indent=2, sort_keys=True).encode())
     return True
+
+
+class OutputBusy(RuntimeError):
+    """Another live run is writing to the same output folder."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class OutputLock:
+    """One run at a time per output folder, on any filesystem fsspec writes to.
+
+    Two overlapping runs (a cron job slower than its interval) would both see the same documents as pending and
+    commit each twice, and one would delete the other's half-written parts. `_lock.json` holds the owner (run id,
+    host, pid) and a heartbeat refreshed every `heartbeat_s` by a thread. A lock is taken over when it is stale:
+    its heartbeat is older than `stale_s`, or it was written on this host by a process that no longer exists (a
+    killed run re-run at once). Object stores have no create-if-absent here, so the lock is written, then read
+    back after a short pause: of two runs racing for it, the one whose write landed last keeps it, the other sees
+    the winner's run id and stops before touching anything.
+    """
+
+    def __init__(self, location: Location, run_id: str, *, heartbeat_s: float = 10.0, stale_s: float = 120.0,
+                 settle_s: float = 0.2) -> None:
+        self.location, self.run_id = location, run_id
+        self.heartbeat_s, self.stale_s, self.settle_s = heartbeat_s, stale_s, settle_s
+        self.fs, root = location.filesystem()
+        self.root = root.rstrip("/")
+        self.path = posixpath.join(self.root, LOCK)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _read(self) -> dict[str, Any] | None:
+        self.fs.invalidate_cache()
+        try:
+            return json.loads(self.fs.cat_file(self.path))
+        except FileNotFoundError:
+            return None
+        except ValueError:  # torn or foreign content: treat as stale
+            return {}
+
+    def _write(self) -> None:
+        body = {"run_id": self.run_id, "host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time()}
+        self.fs.pipe_file(self.path, json.dumps(body).encode())
+
+    def _stale(self, lock: dict[str, Any]) -> str | None:
+        """Why `lock` may be taken over, or None when its owner looks alive."""
+        age = time.time() - float(lock.get("heartbeat", 0))
+        if age > self.stale_s:
+            return f"no heartbeat for {age:.0f} s"
+        if lock.get("host") == socket.gethostname() and not _pid_alive(int(lock.get("pid", 0))):
+            return f"process {lock.get('pid')} on this host has exited"
+        return None
+
+    def acquire(self) -> None:
+        if _is_local(self.fs):
+            os.makedirs(self.root, exist_ok=True)
+        held = self._read()
+        if held is not None and held.get("run_id") != self.run_id:
+            why = self._stale(held)
+            if why is None:
+                raise OutputBusy(
+                    f"output {self.location.uri} is being written by run {held.get('run_id')} (host "
+                    f"{held.get('host')}, pid {held.get('pid')}, heartbeat {time.time() - held['heartbeat']:.0f} s "
+                    f"ago); wait for it to finish. A lock older than {self.stale_s:.0f} s is taken over."
+                )
+            log.warning("taking over the lock of run %s on %s: %s", held.get("run_id"), self.location.uri, why)
+        self._write()
+        time.sleep(self.settle_s)
+        now = self._read()
+        if not now or now.get("run_id") != self.run_id:
+            raise OutputBusy(f"output {self.location.uri} was just locked by run {(now or {}).get('run_id')}")
+        self._thread = threading.Thread(target=self._beat, name="output-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self._write()
+            except Exception as e:  # a missed heartbeat is not fatal; a long outage lets another run take over
+                log.warning("output lock heartbeat failed: %s", e)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        held = self._read()
+        if held is not None and held.get("run_id") == self.run_id:
+            self.fs.rm(self.path)
+
+    def __enter__(self) -> OutputLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

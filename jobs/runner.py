@@ -20,6 +20,7 @@ import ray
 from clover_batch.connectors.faults import fault_config
 from clover_batch.connectors.fs import Location, list_documents
 from clover_batch.connectors.sink import (
+    OutputLock,
     check_manifest,
     clean_temporaries,
     done_doc_ids,
@@ -119,6 +120,12 @@ def run(
     run_id = run_id or new_run_id()
     opts = pipeline_options(spec, run_id)
     check_manifest(opts.output, output_settings(spec))  # before Ray starts: a conflict fails in a second
+    with OutputLock(opts.output, run_id):
+        return _run_locked(spec, opts, run_id, address, on_progress)
+
+
+def _run_locked(spec: JobSpec, opts: PipelineOptions, run_id: str, address: str | None,
+                on_progress: Callable[[Progress], None] | None) -> RunResult:
     started_ray = init_ray(address)
     try:
         ctx = ray.data.DataContext.get_current()

@@ -119,3 +119,45 @@ def test_manifest_guards_output_against_other_settings(tmp_path, uri):
     fs.pipe_file(f"{root.rstrip('/')}/{MANIFEST}", b"{not json")
     with pytest.raises(OutputConflict, match="unreadable"):
         check_manifest(location, settings)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("uri", ["local", "memory://lock-test/out"])
+def test_output_lock_one_run_at_a_time(tmp_path, uri):
+    import socket
+    import time
+
+    from clover_batch.connectors.sink import LOCK, OutputBusy, OutputLock
+
+    location = Location(str(tmp_path / "out") if uri == "local" else uri)
+    fs, root = location.filesystem()
+    path = f"{root.rstrip('/')}/{LOCK}"
+
+    with OutputLock(location, "run-a", heartbeat_s=0.05, settle_s=0.01):
+        first = json.loads(fs.cat_file(path))
+        assert (first["run_id"], first["pid"], first["host"]) == ("run-a", os.getpid(), socket.gethostname())
+        with pytest.raises(OutputBusy, match=r"being written by run run-a .*pid \d+"):
+            OutputLock(location, "run-b", settle_s=0.01).acquire()
+        time.sleep(0.3)
+        assert json.loads(fs.cat_file(path))["heartbeat"] > first["heartbeat"]  # the heartbeat thread runs
+    assert not fs.exists(path)  # released
+
+    # a lock left by a killed process on this host is taken over at once
+    fs.pipe_file(path, json.dumps({"run_id": "killed", "host": socket.gethostname(), "pid": _dead_pid(),
+                                   "heartbeat": time.time()}).encode())
+    with OutputLock(location, "run-c", settle_s=0.01):
+        assert json.loads(fs.cat_file(path))["run_id"] == "run-c"
+
+    # another host's lock: live while its heartbeat is fresh, taken over once it is older than stale_s
+    other = {"run_id": "remote", "host": "elsewhere", "pid": 1, "heartbeat": time.time()}
+    fs.pipe_file(path, json.dumps(other).encode())
+    with pytest.raises(OutputBusy, match="remote"):
+        OutputLock(location, "run-d", stale_s=60, settle_s=0.01).acquire()
+    fs.pipe_file(path, json.dumps({**other, "heartbeat": time.time() - 61}).encode())
+    with OutputLock(location, "run-d", stale_s=60, settle_s=0.01):
+        assert json.loads(fs.cat_file(path))["run_id"] == "run-d"

@@ -62,3 +62,35 @@ def test_kill_then_rerun_gives_one_row_per_document(ray_session, tmp_path, fault
     assert set(table.column("status").to_pylist()) == {"ok"}
     assert duckdb.sql(f"select count(*), count(distinct doc_id) from '{out}/*.parquet'").fetchall() == [(6, 6)]
     assert os.listdir(out / "_tmp") == []
+
+
+def test_overlapping_run_is_refused_and_nothing_is_doubled(ray_session, tmp_path):
+    """A scheduled run that starts while the previous one is still writing stops at once (OutputBusy)."""
+    import time
+
+    from clover_batch.connectors.sink import LOCK, OutputBusy
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"memo-{i}.txt").write_text(f"Memo {i}: " + "the budget moved " * 20)
+    out = tmp_path / "out"
+    raw = job_raw(str(docs), str(out), output={"rows_per_file": 1}, resources={"batch_size": 1})
+    job = write_job(tmp_path / "job.yaml", raw)
+    cmd = [sys.executable, "-m", "clover_batch.jobs.cli", "run", str(job), "--address", ray_session]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / LOCK).exists():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run never took the lock"
+            time.sleep(0.05)
+        with pytest.raises(OutputBusy, match=rf"being written by run \S+ \(host .*pid {first.pid}"):
+            run(parse_job(raw))
+    finally:
+        output, _ = first.communicate(timeout=240)
+    assert first.returncode == 0, output
+    table = read_output(Location(str(out)))
+    assert table.num_rows == 4 and len(set(table.column("doc_id").to_pylist())) == 4
+    assert not (out / LOCK).exists()
+    again = run(parse_job(raw)).report  # the next scheduled run finds everything done
+    assert (again["processed"], again["skipped_done"]) == (0, 4)
