@@ -19,6 +19,7 @@ Notable choices:
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -111,7 +112,7 @@ def token_distribution(logits_TV: torch.Tensor, temperature: float, top_p: float
     probs = torch.softmax(logits, dim=-1)
     if temperature > 0 and top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix whose mass reaches top_p
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # keep the smallest prefix whose mass reaches top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
@@ -325,6 +326,11 @@ class Engine:
         return (CloverState.concat(parts) if len(parts) > 1 else parts[0]), order
 
 
+def _generator(seed: int, index: int) -> torch.Generator:
+    """Sequence `index`'s own generator: a batch gives each prompt the draws it gets alone. Any int seed works."""
+    return torch.Generator().manual_seed((seed * 7919 + index) % 2**63)
+
+
 def generate(model: CloverModel, prompts: list[list[int]], *, max_new_tokens: int = 256, threshold: float = 0.9,
              tokens_per_step: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
              seed: int | None = None, stop_token_ids: list[int] | tuple[int, ...] | None = None,
@@ -337,12 +343,9 @@ def generate(model: CloverModel, prompts: list[list[int]], *, max_new_tokens: in
     options.check(model)
     check_prompts(model, prompts)
     engine = Engine(model, options)
-    seqs = []
-    for i, p in enumerate(prompts):
-        gen = None
-        if temperature > 0:
-            gen = torch.Generator().manual_seed((seed if seed is not None else torch.seed()) * 7919 + i)
-        seqs.append(_Seq(index=i, prompt=[int(t) for t in p], generator=gen))
+    base = seed if seed is not None else secrets.randbits(62)  # not torch.seed(): that reseeds the global RNG
+    seqs = [_Seq(index=i, prompt=[int(t) for t in p], generator=_generator(base, i) if temperature > 0 else None)
+            for i, p in enumerate(prompts)]
     with torch.inference_mode():
         if model.config.is_diffusion:
             engine.run_diffusion(seqs)
@@ -364,7 +367,7 @@ def generate_nocache(model: CloverModel, prompt: list[int], **options) -> Genera
     opt.check(model)
     check_prompts(model, [prompt])
     cfg, stops, window = model.config, set(opt.stops(model)), opt.window(model)
-    gen = torch.Generator().manual_seed((opt.seed or 0) * 7919) if opt.temperature > 0 else None
+    gen = _generator(opt.seed or 0, 0) if opt.temperature > 0 else None
     seq = _Seq(index=0, prompt=list(prompt), generator=gen)
     engine = Engine(model, opt)
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from clover_batch.model import generate, load_model
-from clover_batch.model.generate import generate_nocache
+from clover_batch.model.generate import generate_nocache, select_positions, token_distribution
 from reference import make_reference
 
 PROMPTS = [list(range(5, 30)), [40, 41, 42], list(range(100, 164)), list(range(300, 309))]  # 25, 3, 64 (8 blocks), 9
@@ -116,6 +116,35 @@ def test_sampling_is_reproducible_with_a_seed(name, request):
     assert [g.tokens for g in a] != [g.tokens for g in greedy]
 
 
+def test_sampling_without_a_seed_or_with_a_huge_one(tiny):
+    torch.manual_seed(5)
+    before = torch.rand(1)
+    torch.manual_seed(5)
+    a = generate(tiny, PROMPTS[:2], max_new_tokens=8, temperature=0.8)  # seed None: fresh draws each call
+    assert torch.rand(1) == before  # the caller's global RNG is not reseeded
+    assert all(len(g.tokens) == 8 or g.stopped == "eos" for g in a)
+    big = [generate(tiny, PROMPTS[:2], max_new_tokens=8, temperature=0.8, seed=2**62 + 7) for _ in range(2)]
+    assert [g.tokens for g in big[0]] == [g.tokens for g in big[1]]
+
+
+def test_select_positions_threshold_fallback_and_fixed_k():
+    conf = torch.tensor([0.95, 0.2, 0.91, 0.99, 0.5])
+    cand = torch.tensor([True, True, True, False, True])  # position 3 is already filled
+    assert select_positions(conf, cand, 0.9, None).tolist() == [True, False, True, False, False]
+    assert select_positions(conf, cand, 0.96, None).tolist() == [True, False, False, False, False]  # top-1 fallback
+    assert select_positions(conf, cand, 0.9, 3).tolist() == [True, False, True, False, True]
+    assert select_positions(conf, cand, 0.9, 9).tolist() == cand.tolist()  # k beyond the candidates: all of them
+
+
+def test_token_distribution_temperature_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    torch.testing.assert_close(token_distribution(logits, 0.0, 0.5), torch.tensor([[0.5, 0.3, 0.2]]))  # greedy
+    torch.testing.assert_close(token_distribution(logits, 1.0, 0.6), torch.tensor([[0.625, 0.375, 0.0]]))
+    torch.testing.assert_close(token_distribution(logits, 1.0, 0.5), torch.tensor([[1.0, 0.0, 0.0]]))
+    hot = token_distribution(logits, 2.0, 1.0)  # temperature 2: p ~ sqrt(p)
+    torch.testing.assert_close(hot, torch.tensor([[0.5, 0.3, 0.2]]).sqrt() / torch.tensor([0.5, 0.3, 0.2]).sqrt().sum())
+
+
 def test_fixed_k_step_counts(tiny):
     # prompt of 25 tokens: block of 8 starts at 24 with 1 prompt token and 7 masks; 21 tokens = 7 + 8 + 6
     g = generate(tiny, [PROMPTS[0]], max_new_tokens=21, tokens_per_step=2)[0]
@@ -139,11 +168,13 @@ def test_stops_after_block_with_stop_token(tiny, tiny_ar):
 def test_prefill_state_is_bounded_by_the_window(tiny_ar):
     model = tiny_ar
     state = None
-    ids = torch.randint(0, 250, (1, 200))
+    ids = torch.randint(0, 250, (1, 200), generator=torch.Generator().manual_seed(0))
     for start in range(0, 200, 16):
         _, state = model(ids[:, start : start + 16], state, window_tokens=24)
         attn = [s for s in state.layers if hasattr(s, "key_pos")]
-        assert all(s.key_pos.shape[1] <= 24 + 16 for s in attn)
+        # what the next query can see: the last 23 positions (the window counts the query itself)
+        end = min(start + 16, 200)
+        assert [s.key_pos[0].tolist() for s in attn] == [list(range(max(0, end - 23), end))] * len(attn)
     assert int(state.positions[0]) == 200
 
 
