@@ -103,14 +103,14 @@ def _send_recv(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_s
 EXCHANGES: dict[str, Exchange] = {"all_to_all": _all_to_all_single, "send_recv": _send_recv}
 
 
-def _pick_exchange(group: Any, choice: str) -> str:
+def _pick_exchange(group: Any, choice: str, device: torch.device) -> str:
     """One probe all ranks run together: all_to_all_single if the backend supports it."""
     if choice != "auto":
         if choice not in EXCHANGES:
             raise ValueError(f"exchange must be 'auto' or one of {sorted(EXCHANGES)}, got {choice!r}")
         return choice
     world = dist.get_world_size(group)
-    probe = torch.zeros(world, dtype=torch.int64)
+    probe = torch.zeros(world, dtype=torch.int64, device=device)
     try:
         dist.all_to_all_single(torch.empty_like(probe), probe, group=group)
     except (RuntimeError, NotImplementedError) as e:  # an unsupported op fails on every rank before any traffic
@@ -185,7 +185,7 @@ class ExpertGroup:
         h[:, 0] = op
         if counts_WL is not None:
             h[:, 1:] = counts_WL
-        return h
+        return h.to(self.device)  # NCCL exchanges CUDA tensors only
 
     def close(self) -> None:
         """Rank 0: stop the keepalive, tell the workers to stop (if the group still works), leave the group."""
@@ -201,17 +201,23 @@ class ExpertGroup:
             dist.destroy_process_group()
 
 
-def init_group(rank: int, world: int, store: dist.Store, *, timeout_s: float, backend: str | None = None,
-               exchange: str = "auto") -> ExpertGroup:
-    """Join the default process group (one replica per process) through `store`, and pick the exchange."""
+def init_group(rank: int, world: int, store: dist.Store, *, timeout_s: float, device: str | torch.device = "cpu",
+               backend: str | None = None, exchange: str = "auto") -> ExpertGroup:
+    """Join the default process group (one replica per process) through `store`, and pick the exchange.
+
+    The backend follows this rank's device, not the machine: NCCL for CUDA ranks, gloo for CPU ranks (a CPU replica
+    on a GPU host stays on gloo)."""
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a torch.distributed group; one replica per process")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     group = dist.group.WORLD
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    return ExpertGroup(group, rank, world, _pick_exchange(group, exchange), timeout_s, device)
+    return ExpertGroup(group, rank, world, _pick_exchange(group, exchange, device), timeout_s, device=device)
 
 
 def join_store(host: str, port: int, world: int, *, join_timeout_s: float) -> dist.Store:
@@ -348,17 +354,26 @@ class WorkerSpec:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def rank_device(device: str, rank: int) -> str:
+    """A rank's device: "cuda" means the rank-th visible GPU when several are visible (local processes), the only
+    one when Ray gives each rank its own (CUDA_VISIBLE_DEVICES); CPU stays CPU."""
+    if torch.device(device).type != "cuda" or torch.device(device).index is not None:
+        return device
+    return f"cuda:{rank % max(1, torch.cuda.device_count())}"
+
+
 def run_worker(spec: WorkerSpec, rank: int) -> int:
     """Body of a worker rank (a process or a Ray actor): load experts, join, serve until stopped."""
     from . import load_config, load_model
 
     torch.set_num_threads(max(1, spec.num_threads))
     config = load_config(spec.source)
-    model = load_model(spec.source, device=spec.device, dtype=DTYPES[spec.dtype],
+    device = rank_device(spec.device, rank)
+    model = load_model(spec.source, device=device, dtype=DTYPES[spec.dtype],
                        expert_range=expert_range(rank, spec.world, config.num_experts), overrides=spec.overrides)
     store = join_store(spec.host, spec.port, spec.world, join_timeout_s=spec.join_timeout_s)
     store.set(f"loaded/{rank}", "1")
-    group = init_group(rank, spec.world, store, timeout_s=spec.timeout_s, exchange=spec.exchange)
+    group = init_group(rank, spec.world, store, timeout_s=spec.timeout_s, device=device, exchange=spec.exchange)
     try:
         served = serve_experts(model, group)
         log.info("expert rank %d/%d stopped after %d rounds", rank, spec.world, served)
@@ -449,7 +464,8 @@ class ExpertParallelReplica:
         self.launcher.start(spec)
         try:
             self._wait_loaded(store)
-            self.group = init_group(0, self.world, store, timeout_s=self.timeout_s, exchange=self.exchange)
+            self.group = init_group(0, self.world, store, timeout_s=self.timeout_s, device=self.model.device,
+                                    exchange=self.exchange)
         except RuntimeError as e:
             self.launcher.stop()
             raise ExpertParallelError(f"expert-parallel replica of {self.world} ranks did not form: {e}; "
