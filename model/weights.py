@@ -52,8 +52,10 @@ def _checkpoint_files(path: Path) -> list[Path]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
         files = sorted({path / name for name in weight_map.values()})
         missing = [str(f) for f in files if not f.exists()]
         if missing:
@@ -78,7 +80,7 @@ def index_checkpoint(path: Path) -> dict[str, list[Source]]:
     """Our parameter name -> the checkpoint tensors that make it up."""
     sources: dict[str, list[Source]] = {}
     for file in _checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        with _open_shard(file) as f:
             for key in f.keys():
                 name = _our_name(key)
                 if name is None:
@@ -93,6 +95,13 @@ def index_checkpoint(path: Path) -> dict[str, list[Source]]:
     return sources
 
 
+def _open_shard(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as exc:  # safetensors raises its own error type for a bad header; OSError for I/O
+        raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
+
+
 class _Reader:
     """Keeps each shard open once while tensors are pulled from it."""
 
@@ -101,25 +110,33 @@ class _Reader:
 
     def handle(self, file: Path):
         if file not in self._open:
-            self._open[file] = safe_open(str(file), framework="pt")
+            self._open[file] = _open_shard(file)
         return self._open[file]
 
 
 def _assemble(name: str, srcs: list[Source], expected: torch.Size, experts: Experts | None, reader: _Reader,
-              problems: list[str]) -> torch.Tensor | None:
+              problems: list[str], num_experts: int) -> torch.Tensor | None:
     """Read one parameter; for expert stacks only the experts this model holds."""
+    if experts is not None:
+        extra = sorted(s.key for s in srcs if s.expert is not None and s.expert >= num_experts)
+        if extra:
+            problems.append(f"unexpected {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}: expert index "
+                            f"beyond the config's num_experts={num_experts}")
+            return None
     if experts is None or srcs[0].expert is None:  # a plain tensor, or experts stored packed
         if len(srcs) > 1:
-            problems.append(f"{name}: given both packed and per expert")
+            kinds = {s.expert is None for s in srcs}
+            what = "given both packed and per expert" if len(kinds) > 1 else "given more than once"
+            problems.append(f"{name}: {what} ({', '.join(f'{s.file.name}:{s.key}' for s in srcs[:4])})")
             return None
         f = reader.handle(srcs[0].file)
         sl = f.get_slice(srcs[0].key)
         shape = list(sl.get_shape())
         if experts is not None:  # packed [E_total, ...]: take our contiguous range
             full = [experts.num_local if i == 0 else s for i, s in enumerate(expected)]
-            if len(shape) != len(full) or shape[1:] != full[1:] or shape[0] < experts.first_expert + experts.num_local:
+            if len(shape) != len(full) or shape[1:] != full[1:] or shape[0] != num_experts:
                 tail = ", ".join(map(str, full[1:]))
-                problems.append(f"{srcs[0].key}: shape {shape}, expected [num_experts, {tail}]")
+                problems.append(f"{srcs[0].key}: shape {shape}, expected [{num_experts}, {tail}]")
                 return None
             return sl[experts.first_expert: experts.first_expert + experts.num_local]
         if shape != list(expected):
@@ -167,7 +184,7 @@ def load_checkpoint_weights(model: CloverModel, path: Path, *, dtype: torch.dtyp
             problems.append(f"missing {name}")
             continue
         owner = next((m for prefix, m in experts_by_prefix.items() if name.startswith(prefix)), None)
-        tensor = _assemble(name, srcs, shape, owner, reader, problems)
+        tensor = _assemble(name, srcs, shape, owner, reader, problems, model.config.num_experts)
         if tensor is not None:
             state[name] = tensor.to(device=device, dtype=dtype)
     unexpected = sorted(set(sources) - set(expected))

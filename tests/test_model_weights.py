@@ -150,3 +150,39 @@ def test_index_naming_a_missing_shard(good_dir, tmp_path):
 def test_unknown_source():
     with pytest.raises(ConfigError, match=r"'no-such-model' is neither a preset nor a checkpoint directory"):
         load_model("no-such-model")
+
+
+def test_more_experts_than_the_config_is_an_error(tiny, tmp_path):
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    _copy_with(save_checkpoint(tiny, tmp_path / "src"), packed, lambda t: t.update({key: torch.cat([t[key], t[key]])}))
+    with pytest.raises(CheckpointError, match=rf"{key}: shape \[16, 64, 64\], expected \[8, 64, 64\]"):
+        load_model(packed)
+
+    per = save_checkpoint(tiny, tmp_path / "per", per_expert=True)
+    extra = "model.layers.2.mlp.experts.11.down_proj.weight"
+    _copy_with(per, per, lambda t: t.update({extra: t["model.layers.2.mlp.experts.3.down_proj.weight"].clone()}))
+    with pytest.raises(CheckpointError, match=rf"unexpected {extra}: expert index beyond .*num_experts=8"):
+        load_model(per)
+
+
+def test_unreadable_shard_and_bad_index_and_duplicates(good_dir, tmp_path):
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text((good_dir / "config.json").read_text())
+    (corrupt / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: not a readable safetensors file"):
+        load_model(corrupt)
+
+    bad_index = _copy_with(good_dir, tmp_path, lambda t: None)
+    (bad_index / "model.safetensors.index.json").write_text(json.dumps({"weight_map": []}))
+    with pytest.raises(CheckpointError, match="weight_map must map tensor names to shard file names"):
+        load_model(bad_index)
+
+    twice = tmp_path / "twice"
+    twice.mkdir()
+    _copy_with(good_dir, twice, lambda t: None)
+    save_file({"model.norm.weight": torch.zeros(64)}, str(twice / "extra.safetensors"))
+    with pytest.raises(CheckpointError, match=r"norm.weight: given more than once \(extra.safetensors"):
+        load_model(twice)
