@@ -49,7 +49,7 @@ def _first_json_object(text: str) -> Any:
         try:
             value, _ = decoder.raw_decode(text, match.start())
             return value
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: a degenerate answer nesting "[[[[..."
             continue
     raise ValueError("the answer contains no JSON object")
 

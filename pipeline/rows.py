@@ -7,12 +7,15 @@ later stages pass the row through untouched, so every document reaches the sink 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pyarrow as pa
+
+log = logging.getLogger(__name__)
 
 STAGES = ("read", "parse", "tokenize", "prefill", "decode", "infer", "postprocess")
 TIMINGS_TYPE = pa.struct([(s, pa.float64()) for s in STAGES])
@@ -77,6 +80,20 @@ def to_table(rows: list[dict[str, Any]], schema: pa.Schema = WORK_SCHEMA) -> pa.
 def fail(row: dict[str, Any], status: str, error: str) -> None:
     """Mark a row failed and drop its heavy payloads so they do not travel further."""
     row.update(status=status, error=error, data=None, text=None, prompt_ids=None, output_ids=None)
+
+
+@contextmanager
+def guarded(row: dict[str, Any], stage: str) -> Iterator[None]:
+    """One document's step: an unexpected failure becomes that row's `internal_error`, never the stage's crash.
+
+    Without it one document that trips a bug (a parser edge case, a degenerate answer) would fail the Ray run on
+    every re-run, since it stays pending: a poison document. Expected failures keep their own named statuses.
+    """
+    try:
+        yield
+    except Exception as e:
+        log.exception("%s failed on %s", stage, row.get("source_uri"))
+        fail(row, "internal_error", f"{stage}: {type(e).__name__}: {e}")
 
 
 @contextmanager

@@ -24,6 +24,7 @@ from clover_batch.pipeline.rows import (
     OUTPUT_SCHEMA,
     STATS_SCHEMA,
     fail,
+    guarded,
     timed,
     to_rows,
     to_table,
@@ -98,11 +99,12 @@ class ParseStage:
         for row in rows:
             if not _ok(row):
                 continue
-            with timed(row, "parse"):
-                parsed = parse_document(row["source_uri"], row["data"], fallback_encoding=self.fallback_encoding)
-            row.update(format=parsed.format, pages=parsed.pages, data=None, text=parsed.text)
-            if parsed.status != "ok":
-                fail(row, parsed.status, parsed.error)
+            with guarded(row, "parse"):
+                with timed(row, "parse"):
+                    parsed = parse_document(row["source_uri"], row["data"], fallback_encoding=self.fallback_encoding)
+                row.update(format=parsed.format, pages=parsed.pages, data=None, text=parsed.text)
+                if parsed.status != "ok":
+                    fail(row, parsed.status, parsed.error)
         return to_table(rows)
 
 
@@ -122,15 +124,15 @@ class TokenizeStage:
         for row in rows:
             if not _ok(row):
                 continue
-            with timed(row, "tokenize"):
-                ids = self._builder.build(self.instruction, row["text"])
-            row.update(text=None, input_tokens=len(ids))
-            if len(ids) > self.max_input_tokens:
-                fail(
-                    row, "too_long", f"prompt is {len(ids)} tokens, over input.max_input_tokens={self.max_input_tokens}"
-                )
-            else:
-                row["prompt_ids"] = ids
+            with guarded(row, "tokenize"):
+                with timed(row, "tokenize"):
+                    ids = self._builder.build(self.instruction, row["text"])
+                row.update(text=None, input_tokens=len(ids))
+                if len(ids) > self.max_input_tokens:
+                    fail(row, "too_long",
+                         f"prompt is {len(ids)} tokens, over input.max_input_tokens={self.max_input_tokens}")
+                else:
+                    row["prompt_ids"] = ids
         return to_table(rows)
 
 
@@ -201,6 +203,8 @@ class InferStage:
                 for row in todo:
                     try:
                         self._generate([row])
+                    except ExpertParallelError:
+                        raise
                     except Exception as e1:
                         fail(row, "inference_error", f"{type(e1).__name__}: {e1}")
             fault_point("inference")
@@ -222,7 +226,7 @@ class PostprocessStage:
             row.update(model=self.model.source, task=self.task.kind, job_name=self.job_name, run_id=self.run_id)
             if not _ok(row):
                 continue
-            with timed(row, "postprocess"):
+            with guarded(row, "postprocess"), timed(row, "postprocess"):
                 row["output_text"] = self._builder.decode(row["output_ids"] or [])
                 row["output_ids"] = None
                 if self.task.kind == "extract":

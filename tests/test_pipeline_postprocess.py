@@ -51,3 +51,23 @@ def test_bad_answers_are_refused(answer, error):
     got = check_extraction(answer, FIELDS)
     assert got.output_json is None
     assert error in got.error
+
+
+def test_degenerate_deeply_nested_answer_is_refused_not_raised():
+    checked = check_extraction('{"title": ' + "[" * 5000, FIELDS)
+    assert checked.output_json is None and checked.error == "the answer contains no JSON object"
+
+
+def test_an_unexpected_failure_marks_only_that_document():
+    from clover_batch.pipeline.rows import guarded
+
+    rows = [{"source_uri": "a.txt", "status": "ok", "error": None, "text": "x"},
+            {"source_uri": "b.txt", "status": "ok", "error": None, "text": "y"}]
+    for row in rows:
+        with guarded(row, "tokenize"):
+            if row["source_uri"] == "a.txt":
+                raise TypeError("boom")
+            row["input_tokens"] = 1
+    assert rows[0]["status"] == "internal_error" and rows[0]["error"] == "tokenize: TypeError: boom"
+    assert rows[0]["text"] is None  # payload dropped like any failed row
+    assert rows[1]["status"] == "ok" and rows[1]["input_tokens"] == 1
