@@ -107,13 +107,23 @@ def write_part(location: Location, table: pa.Table, run_id: str) -> str:
             f.flush()
             os.fsync(f.fileno())
         fault_point("writing")
+        _check_lock_owner(location, run_id)
         os.replace(tmp, final)
     else:
         buffer = io.BytesIO()
         pq.write_table(table, buffer)
         fault_point("writing")
+        _check_lock_owner(location, run_id)
         fs.pipe_file(final, buffer.getvalue())
     return location.join(name)
+
+
+def _check_lock_owner(location: Location, run_id: str) -> None:
+    """Fencing: a run whose lock was taken over (or whose driver was killed and replaced) must not commit."""
+    held = read_lock(location)
+    if held is not None and held.get("run_id") != run_id:
+        raise OutputBusy(f"run {run_id} no longer holds the lock on {location.uri} (run {held.get('run_id')} "
+                         f"does); not committing")
 
 
 def write_report(location: Location, run_id: str, report: dict[str, Any]) -> str:
@@ -142,7 +152,8 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 def check_manifest(location: Location, settings: dict[str, Any]) -> bool:
     """Guard an output folder against mixing rows made with different settings (model, task, decode).
 
-    The first run writes `settings` to `_job.json`; later runs must bring the same settings, else
+    The first run writes `settings` to `_job.json` (again while no row is committed, so a first run that failed
+    before writing anything does not pin its settings); later runs must bring the same settings, else
     `OutputConflict` names each setting that differs. Without this guard a scheduled re-run with, say, a new
     instruction would skip every done document and leave old and new answers side by side. Returns True when
     this call wrote the manifest.
@@ -150,7 +161,7 @@ def check_manifest(location: Location, settings: dict[str, Any]) -> bool:
     fs, root = location.filesystem()
     path = posixpath.join(root.rstrip("/"), MANIFEST)
     canonical = json.loads(json.dumps(settings, sort_keys=True, default=str))
-    if fs.exists(path):
+    if fs.exists(path) and committed_parts(location):  # a manifest with no rows yet (a failed first run) is redone
         try:
             stored = json.loads(fs.cat_file(path))
         except (ValueError, OSError) as e:
@@ -190,11 +201,16 @@ class OutputLock:
 
     Two overlapping runs (a cron job slower than its interval) would both see the same documents as pending and
     commit each twice, and one would delete the other's half-written parts. `_lock.json` holds the owner (run id,
-    host, pid) and a heartbeat refreshed every `heartbeat_s` by a thread. A lock is taken over when it is stale:
-    its heartbeat is older than `stale_s`, or it was written on this host by a process that no longer exists (a
-    killed run re-run at once). Object stores have no create-if-absent here, so the lock is written, then read
-    back after a short pause: of two runs racing for it, the one whose write landed last keeps it, the other sees
-    the winner's run id and stops before touching anything.
+    host, pid) and a heartbeat refreshed every `heartbeat_s`.
+    - Taking a free lock is a create-if-absent (O_EXCL locally, If-None-Match on S3), so two runs cannot both
+      create it. A stale lock (heartbeat older than `stale_s`, or written on this host by a process that no longer
+      exists) is overwritten, then read back after `settle_s`: of two runs taking over at once, the last writer
+      keeps it and the other stops before touching anything.
+    - Writes of the lock are atomic (temp file + rename locally, one PUT on object stores), so a reader never sees
+      a torn lock. A lock that cannot be parsed is judged by its file's age.
+    - The heartbeat reads before it writes: once another run has taken the lock over, this one stops refreshing it
+      (`lost`), and `write_part` refuses to commit for a run that does not hold the lock (fencing), so workers of a
+      run that lost its lock, or outlived their killed driver, cannot add rows.
     """
 
     def __init__(self, location: Location, run_id: str, *, heartbeat_s: float = 10.0, stale_s: float = 120.0,
@@ -204,21 +220,30 @@ class OutputLock:
         self.fs, root = location.filesystem()
         self.root = root.rstrip("/")
         self.path = posixpath.join(self.root, LOCK)
+        self.lost = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _read(self) -> dict[str, Any] | None:
-        self.fs.invalidate_cache()
-        try:
-            return json.loads(self.fs.cat_file(self.path))
-        except FileNotFoundError:
-            return None
-        except ValueError:  # torn or foreign content: treat as stale
-            return {}
+    def _body(self) -> bytes:
+        return json.dumps({"run_id": self.run_id, "host": socket.gethostname(), "pid": os.getpid(),
+                           "heartbeat": time.time()}).encode()
 
-    def _write(self) -> None:
-        body = {"run_id": self.run_id, "host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time()}
-        self.fs.pipe_file(self.path, json.dumps(body).encode())
+    def _overwrite(self) -> None:
+        if _is_local(self.fs):
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(self._body())
+            os.replace(tmp, self.path)
+        else:
+            self.fs.pipe_file(self.path, self._body())
+
+    def _create(self) -> bool:
+        """Create the lock if there is none; False when another run created it first."""
+        try:
+            self.fs.pipe_file(self.path, self._body(), mode="create")
+            return True
+        except FileExistsError:
+            return False
 
     def _stale(self, lock: dict[str, Any]) -> str | None:
         """Why `lock` may be taken over, or None when its owner looks alive."""
@@ -232,28 +257,39 @@ class OutputLock:
     def acquire(self) -> None:
         if _is_local(self.fs):
             os.makedirs(self.root, exist_ok=True)
-        held = self._read()
-        if held is not None and held.get("run_id") != self.run_id:
-            why = self._stale(held)
-            if why is None:
-                raise OutputBusy(
-                    f"output {self.location.uri} is being written by run {held.get('run_id')} (host "
-                    f"{held.get('host')}, pid {held.get('pid')}, heartbeat {time.time() - held['heartbeat']:.0f} s "
-                    f"ago); wait for it to finish. A lock older than {self.stale_s:.0f} s is taken over."
-                )
-            log.warning("taking over the lock of run %s on %s: %s", held.get("run_id"), self.location.uri, why)
-        self._write()
-        time.sleep(self.settle_s)
-        now = self._read()
-        if not now or now.get("run_id") != self.run_id:
-            raise OutputBusy(f"output {self.location.uri} was just locked by run {(now or {}).get('run_id')}")
+        held = read_lock(self.location)
+        if held is None and self._create():
+            held = {"run_id": self.run_id}
+        else:
+            held = held if held is not None else read_lock(self.location) or {}
+            if held.get("run_id") != self.run_id:
+                why = self._stale(held)
+                if why is None:
+                    raise OutputBusy(
+                        f"output {self.location.uri} is being written by run {held.get('run_id')} (host "
+                        f"{held.get('host')}, pid {held.get('pid')}, heartbeat "
+                        f"{time.time() - float(held.get('heartbeat', 0)):.0f} s ago); wait for it to finish. A lock "
+                        f"without a heartbeat for {self.stale_s:.0f} s is taken over."
+                    )
+                log.warning("taking over the lock of run %s on %s: %s", held.get("run_id"), self.location.uri, why)
+                self._overwrite()
+                time.sleep(self.settle_s)
+                now = read_lock(self.location) or {}
+                if now.get("run_id") != self.run_id:
+                    raise OutputBusy(f"output {self.location.uri} was just locked by run {now.get('run_id')}")
         self._thread = threading.Thread(target=self._beat, name="output-lock-heartbeat", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                self._write()
+                held = read_lock(self.location)
+                if held is None or held.get("run_id") != self.run_id:
+                    self.lost = True
+                    log.error("run %s lost the lock on %s to %s", self.run_id, self.location.uri,
+                              (held or {}).get("run_id"))
+                    return
+                self._overwrite()
             except Exception as e:  # a missed heartbeat is not fatal; a long outage lets another run take over
                 log.warning("output lock heartbeat failed: %s", e)
 
@@ -261,7 +297,7 @@ class OutputLock:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        held = self._read()
+        held = read_lock(self.location)
         if held is not None and held.get("run_id") == self.run_id:
             self.fs.rm(self.path)
 
@@ -271,3 +307,20 @@ class OutputLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def read_lock(location: Location) -> dict[str, Any] | None:
+    """The output's lock: None when there is none; an unparsable one reads as its file's age."""
+    fs, root = location.filesystem()
+    path = posixpath.join(root.rstrip("/"), LOCK)
+    fs.invalidate_cache()
+    try:
+        return json.loads(fs.cat_file(path))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        try:
+            modified = fs.modified(path).timestamp()
+        except Exception:
+            modified = time.time()
+        return {"run_id": None, "heartbeat": modified}

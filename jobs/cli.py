@@ -43,8 +43,26 @@ def _load(job: str, overrides: list[str] | None):
 def validate(job: JobArg, set_: SetOpt = None) -> None:
     """Check a job file; print the resolved job, or the fields that are wrong."""
     spec = _load(job, set_)
-    console.print_json(json.dumps(spec.model_dump(mode="json")))
+    console.print_json(json.dumps(masked(spec.model_dump(mode="json"))))
     console.print(f"[green]{job}: valid[/green]")
+
+
+SECRET_WORDS = ("secret", "key", "token", "password", "credential", "session")
+
+
+def masked(value, *, inside_options: bool = False):
+    """The job as printed: inside storage_options, credential-like values (key, secret, token, ...) become ***."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if inside_options and not isinstance(v, dict) and any(w in str(k).lower() for w in SECRET_WORDS):
+                out[k] = "***"
+            else:
+                out[k] = masked(v, inside_options=inside_options or k == "storage_options")
+        return out
+    if isinstance(value, list):
+        return [masked(v, inside_options=inside_options) for v in value]
+    return value
 
 
 @app.command()

@@ -119,9 +119,23 @@ def run(
         check_expert_parallel(load_config(spec.model.source), spec.model.expert_parallel)
     run_id = run_id or new_run_id()
     opts = pipeline_options(spec, run_id)
-    check_manifest(opts.output, output_settings(spec))  # before Ray starts: a conflict fails in a second
-    with OutputLock(opts.output, run_id):
+    check_output_outside_input(opts.input, opts.output)
+    with OutputLock(opts.output, run_id):  # taken before Ray starts: a busy or conflicting output fails in a second
+        check_manifest(opts.output, output_settings(spec))
         return _run_locked(spec, opts, run_id, address, on_progress)
+
+
+def check_output_outside_input(input: Location, output: Location) -> None:
+    """An output folder inside the input folder would be listed as input: every run would add rows for the last
+    run's Parquet parts, without end."""
+    in_fs, in_root = input.filesystem()
+    out_fs, out_root = output.filesystem()
+    if in_fs.protocol != out_fs.protocol:
+        return
+    a, b = in_root.rstrip("/") + "/", out_root.rstrip("/") + "/"
+    if b.startswith(a):
+        raise ValueError(f"output.uri {output.uri} is inside input.uri {input.uri}: its files would be listed as "
+                         f"documents; choose an output outside the input folder")
 
 
 def _run_locked(spec: JobSpec, opts: PipelineOptions, run_id: str, address: str | None,

@@ -102,13 +102,15 @@ def test_manifest_guards_output_against_other_settings(tmp_path, uri):
     location = Location(str(tmp_path / "out") if uri == "local" else uri)
     settings = {"model": {"source": "tiny", "dtype": "float32"}, "task": {"kind": "summarize",
                 "instruction": "Summarize."}, "decode": {"max_new_tokens": 8}}
-    assert check_manifest(location, settings) is True  # first run writes it
-    fs, root = location.filesystem()
-    assert json.loads(fs.cat_file(f"{root.rstrip('/')}/{MANIFEST}")) == settings
-    assert check_manifest(location, json.loads(json.dumps(settings))) is False  # same settings: fine
-
     changed = {**settings, "task": {"kind": "summarize", "instruction": "Summarize in French."},
                "decode": {"max_new_tokens": 8, "seed": 1}}
+    assert check_manifest(location, changed) is True  # first run writes it
+    assert check_manifest(location, settings) is True  # no row committed yet: a failed first run pins nothing
+    fs, root = location.filesystem()
+    assert json.loads(fs.cat_file(f"{root.rstrip('/')}/{MANIFEST}")) == settings
+    write_part(location, _rows(["d1"]), "r1")
+    assert check_manifest(location, json.loads(json.dumps(settings))) is False  # same settings: fine
+
     with pytest.raises(OutputConflict) as e:
         check_manifest(location, changed)
     message = str(e.value)
@@ -161,3 +163,38 @@ def test_output_lock_one_run_at_a_time(tmp_path, uri):
     fs.pipe_file(path, json.dumps({**other, "heartbeat": time.time() - 61}).encode())
     with OutputLock(location, "run-d", stale_s=60, settle_s=0.01):
         assert json.loads(fs.cat_file(path))["run_id"] == "run-d"
+
+
+@pytest.mark.parametrize("uri", ["local", "memory://lock-fence/out"])
+def test_output_lock_fences_a_run_that_lost_it(tmp_path, uri):
+    import time
+
+    from clover_batch.connectors.sink import LOCK, OutputBusy, OutputLock, read_lock
+
+    location = Location(str(tmp_path / "out") if uri == "local" else uri)
+    fs, root = location.filesystem()
+    path = f"{root.rstrip('/')}/{LOCK}"
+    a = OutputLock(location, "run-a", heartbeat_s=0.05, settle_s=0.01)
+    a.acquire()
+    assert not OutputLock(location, "run-x", settle_s=0.01)._create()  # create-if-absent: the lock exists
+    write_part(location, _rows(["d1"]), "run-a")  # the holder commits
+
+    # run-a stalls past stale_s; run-b takes over; run-a's heartbeat must not take it back
+    fs.pipe_file(path, json.dumps({**read_lock(location), "heartbeat": time.time() - 500}).encode())
+    b = OutputLock(location, "run-b", stale_s=120, settle_s=0.01)
+    b.acquire()
+    time.sleep(0.3)
+    assert a.lost and read_lock(location)["run_id"] == "run-b"
+    with pytest.raises(OutputBusy, match=r"run run-a no longer holds the lock .*run run-b does"):
+        write_part(location, _rows(["d2"]), "run-a")
+    assert [r["doc_id"] for r in read_output(location).to_pylist()] == ["d1"]
+    a.release()  # releasing a lost lock leaves the new owner's in place
+    assert read_lock(location)["run_id"] == "run-b"
+    b.release()
+
+    # an unparsable lock is judged by its file's age: fresh means busy
+    fs.pipe_file(path, b"{torn")
+    with pytest.raises(OutputBusy, match="being written by run None"):
+        OutputLock(location, "run-c", settle_s=0.01).acquire()
+    with OutputLock(location, "run-c", stale_s=-1, settle_s=0.01):
+        assert read_lock(location)["run_id"] == "run-c"

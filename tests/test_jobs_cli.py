@@ -42,3 +42,30 @@ def test_run_unknown_set_field_exits_nonzero(tmp_path):
     result = CliRunner().invoke(app, ["run", "jobs/examples/summarize-local.yaml", "--set", "resources.gpus=1"])
     assert result.exit_code == 2
     assert "resources.gpus: Extra inputs are not permitted" in result.output
+
+
+def test_validate_masks_credentials(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: j\n"
+        "input: {uri: 's3://b/in', storage_options: {key: AKIA-XYZ-123, secret: s3cr3t-XYZ,"
+        " endpoint_url: 'http://127.0.0.1:9000', client_kwargs: {region_name: eu, aws_session_token: tok-XYZ}}}\n"
+        "output: {uri: 's3://b/out'}\ntask: {kind: summarize}\ndecode: {max_new_tokens: 7}\n"
+    )
+    result = CliRunner().invoke(app, ["validate", str(job)])
+    assert result.exit_code == 0, result.output
+    for secret in ("AKIA-XYZ-123", "s3cr3t-XYZ", "tok-XYZ"):
+        assert secret not in result.output
+    assert "http://127.0.0.1:9000" in result.output and '"max_new_tokens": 7' in result.output
+
+
+def test_run_refuses_an_output_inside_the_input(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("hello")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: j\ninput: {{uri: '{tmp_path}/docs'}}\noutput: {{uri: '{tmp_path}/docs/out'}}\n"
+                   "task: {kind: summarize}\n")
+    result = CliRunner().invoke(app, ["run", str(job)])
+    assert result.exit_code == 1
+    assert "is inside input.uri" in " ".join(result.output.split())
+    assert not (tmp_path / "docs" / "out").exists()  # refused before anything was written
