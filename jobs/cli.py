@@ -82,7 +82,7 @@ def run(
     )
     if not verbose:
         # Ray Data logs each execution at INFO and warns that its bars are off: this CLI draws its own.
-        import ray.data  # noqa: F401  (Ray Data sets its loggers' levels on import; ours must come after)
+        import ray.data  # Ray Data sets its loggers' levels on import; ours must come after
 
         logging.getLogger("ray").setLevel(logging.WARNING)
         logging.getLogger("ray.data").setLevel(logging.ERROR)
@@ -106,7 +106,11 @@ def run(
         except Exception as e:  # a run-level failure (model cannot load, storage unreachable): say it plainly
             if verbose:
                 raise
-            err_console.print(f"[red]run failed: {type(e).__name__}: {e}[/red]", highlight=False)
+            import ray.exceptions
+
+            # Ray's errors carry the remote traceback in their text: the first line says what failed
+            message = str(e).splitlines()[0] if isinstance(e, ray.exceptions.RayError) else str(e)
+            err_console.print(f"[red]run failed: {type(e).__name__}: {message}[/red]", highlight=False)
             err_console.print("(rerun with --verbose for the traceback; finished documents are kept)")
             raise typer.Exit(1) from None
     _print_report(result.report)

@@ -70,15 +70,21 @@ def init_ray(address: str | None) -> bool:
     return True
 
 
+def _absolute(uri: str) -> str:
+    """Local paths are resolved here, on the driver: Ray workers on other nodes or in other folders see the same."""
+    return uri if "://" in uri else os.path.abspath(uri)
+
+
 def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
     task = spec.task
     fields = tuple(
         FieldRule(name, f.type, f.description, f.required) for name, f in getattr(task, "fields", {}).items()
     )
     return PipelineOptions(
-        input=Location(spec.input.uri, spec.input.storage_options),
-        output=Location(spec.output.uri, spec.output.storage_options),
-        model=ModelRef(spec.model.source, spec.model.dtype, spec.model.storage_options, spec.model.cache_dir,
+        input=Location(_absolute(spec.input.uri), spec.input.storage_options),
+        output=Location(_absolute(spec.output.uri), spec.output.storage_options),
+        model=ModelRef(_absolute(spec.model.source) if os.path.isdir(spec.model.source) else spec.model.source,
+                       spec.model.dtype, spec.model.storage_options, spec.model.cache_dir,
                        spec.model.expert_parallel),
         task=TaskRef(task.kind, task.instruction, fields),
         decode=spec.decode.model_dump(),
@@ -112,11 +118,13 @@ def run(
     run_id: str | None = None,
 ) -> RunResult:
     """Process every listed document that has no committed row yet; returns the run report."""
-    if spec.model.expert_parallel > 1 and not spec.model.source.partition("://")[1]:  # URIs: checked on load
+    if "://" not in spec.model.source:  # a preset or local folder is checked here, before Ray; URIs on load
         from clover_batch.model import load_config
         from clover_batch.model.expert_parallel import check_expert_parallel
 
-        check_expert_parallel(load_config(spec.model.source), spec.model.expert_parallel)
+        config = load_config(spec.model.source)  # ConfigError names the source and what is wrong
+        if spec.model.expert_parallel > 1:
+            check_expert_parallel(config, spec.model.expert_parallel)
     run_id = run_id or new_run_id()
     opts = pipeline_options(spec, run_id)
     check_output_outside_input(opts.input, opts.output)
@@ -138,10 +146,22 @@ def check_output_outside_input(input: Location, output: Location) -> None:
                          f"documents; choose an output outside the input folder")
 
 
+def check_cluster_fits(spec: JobSpec) -> None:
+    """A replica that needs more GPUs or CPUs than the whole cluster has would wait forever for its actor."""
+    have = ray.cluster_resources()
+    need = {"GPU": spec.resources.gpus_per_replica * spec.model.expert_parallel,
+            "CPU": spec.resources.cpus_per_replica}
+    short = [f"{need[r]:g} {r} per replica, the cluster has {have.get(r, 0):g}"
+             for r in need if need[r] > have.get(r, 0)]
+    if short:
+        raise ValueError(f"resources: {'; '.join(short)}")
+
+
 def _run_locked(spec: JobSpec, opts: PipelineOptions, run_id: str, address: str | None,
                 on_progress: Callable[[Progress], None] | None) -> RunResult:
     started_ray = init_ray(address)
     try:
+        check_cluster_fits(spec)
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False  # the CLI draws its own progress; Ray's bars would fight it
         ctx.print_on_execution_start = False

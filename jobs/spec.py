@@ -167,7 +167,7 @@ class JobSpecError(ValueError):
 
 def _field_path(loc: tuple) -> str:
     # Drop the discriminator tag pydantic inserts for tagged unions ("task.summarize.instruction").
-    parts = [str(p) for p in loc if p not in ("summarize", "extract")]
+    parts = [str(p) for i, p in enumerate(loc) if not (i == 1 and loc[0] == "task" and p in ("summarize", "extract"))]
     return ".".join(parts) or "(job)"
 
 

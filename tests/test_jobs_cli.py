@@ -69,3 +69,14 @@ def test_run_refuses_an_output_inside_the_input(tmp_path):
     assert result.exit_code == 1
     assert "is inside input.uri" in " ".join(result.output.split())
     assert not (tmp_path / "docs" / "out").exists()  # refused before anything was written
+
+
+def test_run_with_an_unknown_model_fails_before_ray_naming_it(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: j\ninput: {{uri: '{tmp_path}/in'}}\noutput: {{uri: '{tmp_path}/out'}}\n"
+                   "model: {source: no-such-model}\ntask: {kind: summarize}\n")
+    result = CliRunner().invoke(app, ["run", str(job)])
+    assert result.exit_code == 1
+    text = " ".join(result.output.split())
+    assert "run failed: ConfigError: model source 'no-such-model' is neither a preset nor a checkpoint" in text
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()

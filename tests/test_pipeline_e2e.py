@@ -142,3 +142,12 @@ def test_extract_task_checks_answers(ray_session, tmp_path):
         assert row["output_json"] is None and row["output_text"] is not None
         assert row["error"].startswith("extraction answer refused:")
         assert row["task"] == "extract"
+
+
+def test_replica_bigger_than_the_cluster_is_a_clear_error(ray_session, tmp_path):
+    docs = tmp_path / "docs"
+    write_good_docs(docs)
+    spec = parse_job(job_raw(str(docs), str(tmp_path / "out"), resources={"gpus_per_replica": 1}))
+    with pytest.raises(ValueError, match=r"resources: 1 GPU per replica, the cluster has 0"):
+        run(spec)
+    assert read_output(Location(str(tmp_path / "out"))) is None
