@@ -5,6 +5,7 @@ Knows nothing of Ray, files beyond checkpoints, or text.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -76,6 +77,10 @@ def load_model(source: str | Path, *, device: str | torch.device = "cpu", dtype:
     device = torch.device(device)
     config = load_config(source)
     if overrides:
+        allowed = {f.name for f in dataclasses.fields(CloverConfig) if f.init}
+        unknown = sorted(set(overrides) - allowed)
+        if unknown:
+            raise ConfigError(f"unknown config override(s) {unknown}; overridable fields: {sorted(allowed)}")
         config = config.replace(**overrides)
     model = build_model(config, expert_range=expert_range)
     if isinstance(source, str) and is_preset(source):

@@ -70,8 +70,14 @@ class CloverModel(nn.Module):
             state = self.empty_state(B)
         if state.batch_size != B:
             raise ValueError(f"state holds {state.batch_size} sequences but input_ids has {B}")
+        attn = next((s for s in state.layers if isinstance(s, AttentionState)), None)
+        if attn is not None and (attn.keys.dtype != self.dtype or attn.keys.device != self.device):
+            raise ValueError(f"state was made for {attn.keys.dtype} on {attn.keys.device}; this model computes in "
+                             f"{self.dtype} on {self.device}")
+        if keep_logits is not None and keep_logits < 0:
+            raise ValueError(f"keep_logits must be None or >= 0, got {keep_logits}")
         ctx = self._context(state.positions, T, attention or self.default_attention(),
-                            window_tokens or cfg.window_tokens)
+                            cfg.window_tokens if window_tokens is None else window_tokens)
 
         h = self.embed_tokens(input_ids)
         new_layers = []

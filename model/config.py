@@ -192,7 +192,7 @@ class CloverConfig:
 
     @classmethod
     def from_json_dict(cls, raw: dict[str, Any], *, name: str = "custom") -> CloverConfig:
-        return _parse(raw, name=name)
+        return _parse_checked(raw, name=name)
 
     @classmethod
     def from_file(cls, path: str | Path) -> CloverConfig:
@@ -204,7 +204,7 @@ class CloverConfig:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not valid JSON ({exc})") from None
         try:
-            return _parse(raw, name=str(path.parent))
+            return _parse_checked(raw, name=str(path.parent))
         except ConfigError as exc:
             raise ConfigError(f"{path}: {exc}") from None
 
@@ -214,6 +214,28 @@ _REQUIRED_INT = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_va
                  "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 _CLOVER_KEYS = {"window_tokens", "prefill_chunk_tokens"}
 _DIFFUSION_KEYS = {"block_size", "mask_token_id", "logits_shift", "prompt_attention"}
+
+
+def _parse_checked(raw: Any, *, name: str) -> CloverConfig:
+    try:
+        return _parse(raw, name=name)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a field of the wrong JSON type somewhere
+        raise ConfigError(f"malformed config ({type(exc).__name__}: {exc})") from None
+
+
+def _typed(value: Any, kind: type, label: str, minimum: int | None = None) -> Any:
+    """`value` as `kind` (int, bool or float), or a ConfigError naming the field."""
+    ok = (isinstance(value, bool) if kind is bool
+          else isinstance(value, int | float) and not isinstance(value, bool) if kind is float
+          else isinstance(value, int) and not isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"field {label!r} must be {'a number' if kind is float else f'a {kind.__name__}'}, "
+                          f"got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"field {label!r} must be >= {minimum}, got {value!r}")
+    return kind(value)
 
 
 def _parse(raw: dict[str, Any], *, name: str) -> CloverConfig:
@@ -249,11 +271,13 @@ def _parse(raw: dict[str, Any], *, name: str) -> CloverConfig:
     else:
         n_layers = need_int("num_hidden_layers")
         # The reference's own rule when layer_types is absent: every `interval`-th layer is full attention.
-        interval = text.get("full_attention_interval", 4)
+        interval = _typed(text.get("full_attention_interval", 4), int, "full_attention_interval", minimum=1)
         layer_types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
                             for i in range(n_layers))
 
-    rope = text.get("rope_parameters") or {}
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}  # rope_scaling: older configs' name
+    if not isinstance(rope, dict):
+        raise ConfigError(f"rope_parameters must be an object, got {rope!r}")
     if rope.get("rope_type", "default") not in ("default",):
         raise ConfigError(f"rope_parameters.rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
     rope_theta = rope.get("rope_theta", text.get("rope_theta"))
@@ -262,12 +286,13 @@ def _parse(raw: dict[str, Any], *, name: str) -> CloverConfig:
     # Reference default when absent (Qwen3.5 configs set 0.25 in __post_init__).
     partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
 
-    head_dim = text.get("head_dim")
-    if head_dim is None:
-        head_dim = ints["hidden_size"] // ints["num_attention_heads"]
+    head_dim = _typed(text.get("head_dim", 256), int, "head_dim", minimum=1)  # 256: the reference's default
 
     eos = text.get("eos_token_id", raw.get("eos_token_id"))
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    for tid in eos_ids:
+        if not 0 <= _typed(tid, int, "eos_token_id") < ints["vocab_size"]:
+            raise ConfigError(f"eos_token_id {tid} is outside the vocabulary (size {ints['vocab_size']})")
 
     diffusion = None
     if "diffusion" in raw or "diffusion" in text:
@@ -280,7 +305,15 @@ def _parse(raw: dict[str, Any], *, name: str) -> CloverConfig:
         for key in ("block_size", "mask_token_id"):
             if key not in d:
                 raise ConfigError(f"missing required field 'diffusion.{key}'")
-        diffusion = DiffusionConfig(**d)
+        mask = _typed(d["mask_token_id"], int, "diffusion.mask_token_id")
+        if not 0 <= mask < ints["vocab_size"]:
+            raise ConfigError(f"diffusion.mask_token_id {mask} is outside the vocabulary (size {ints['vocab_size']})")
+        diffusion = DiffusionConfig(
+            block_size=_typed(d["block_size"], int, "diffusion.block_size", minimum=1),
+            mask_token_id=mask,
+            logits_shift=_typed(d.get("logits_shift", False), bool, "diffusion.logits_shift"),
+            prompt_attention=d.get("prompt_attention", "block_causal"),
+        )
 
     clover = raw.get("clover", text.get("clover", {})) or {}
     unknown = set(clover) - _CLOVER_KEYS
@@ -301,7 +334,7 @@ def _parse(raw: dict[str, Any], *, name: str) -> CloverConfig:
         pad_token_id=text.get("pad_token_id"),
         diffusion=diffusion,
         name=name,
-        **{k: int(v) for k, v in clover.items()},
+        **{k: _typed(v, int, f"clover.{k}", minimum=1) for k, v in clover.items()},
     )
 
 

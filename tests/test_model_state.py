@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from clover_batch.model import AttentionState, CloverState, GDNState, load_model
+from clover_batch.model import AttentionState, CloverState, ConfigError, GDNState, load_model
 from test_model_ops import assert_close
 
 T = 150  # two full 64-token GDN chunks and a partial one
@@ -174,3 +174,18 @@ def test_bf16_close_to_fp32():
             assert_close(a.recurrent, b.recurrent, BF16_MAX_RTOL, "GDN state")
         else:
             assert a.keys.dtype == torch.bfloat16
+
+
+def test_bad_forward_arguments_are_clear_errors():
+    model = load_model("tiny")
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="window_tokens must be >= 1, got 0"):
+        model(ids, window_tokens=0)
+    with pytest.raises(ValueError, match="keep_logits must be None or >= 0, got -3"):
+        model(ids, keep_logits=-3)
+    _, state = model(ids)
+    with pytest.raises(ValueError, match=r"state was made for torch.float32 on cpu; this model computes in "
+                                         r"torch.bfloat16"):
+        load_model("tiny", dtype=torch.bfloat16)(ids, state)
+    with pytest.raises(ConfigError, match=r"unknown config override\(s\) \['window'\]"):
+        load_model("tiny", overrides={"window": 5})

@@ -186,3 +186,51 @@ def test_unreadable_shard_and_bad_index_and_duplicates(good_dir, tmp_path):
     save_file({"model.norm.weight": torch.zeros(64)}, str(twice / "extra.safetensors"))
     with pytest.raises(CheckpointError, match=r"norm.weight: given more than once \(extra.safetensors"):
         load_model(twice)
+
+
+def _tiny_json() -> dict:
+    from clover_batch.model import load_config
+
+    return load_config("tiny").to_json_dict()
+
+
+BAD_CONFIGS = {
+    "block-size-string": (lambda c: c["diffusion"].update(block_size="8"), r"'diffusion.block_size' must be a int"),
+    "block-size-float": (lambda c: c["diffusion"].update(block_size=8.0), r"'diffusion.block_size' must be a int"),
+    "logits-shift-string": (lambda c: c["diffusion"].update(logits_shift="false"),
+                            r"'diffusion.logits_shift' must be a bool"),
+    "mask-outside-vocab": (lambda c: c["diffusion"].update(mask_token_id=512), r"mask_token_id 512 is outside"),
+    "bad-prompt-attention": (lambda c: c["diffusion"].update(prompt_attention="full"), "prompt_attention must be"),
+    "interval-zero": (lambda c: (c.pop("layer_types"), c.update(full_attention_interval=0)),
+                      r"'full_attention_interval' must be >= 1"),
+    "rope-not-object": (lambda c: c.update(rope_parameters=[1]), "rope_parameters must be an object"),
+    "rope-theta-string": (lambda c: c["rope_parameters"].update(rope_theta="x"), "malformed config"),
+    "eos-string": (lambda c: c.update(eos_token_id=["a"]), r"'eos_token_id' must be a int"),
+    "eos-outside-vocab": (lambda c: c.update(eos_token_id=[600]), "eos_token_id 600 is outside"),
+    "window-string": (lambda c: c["clover"].update(window_tokens="big"), r"'clover.window_tokens' must be a int"),
+    "layers-mismatch": (lambda c: c.update(num_hidden_layers=5), r"num_hidden_layers \(5\) != len\(layer_types\)"),
+    "unknown-clover-key": (lambda c: c["clover"].update(windw=3), "unknown field"),
+}
+
+
+@pytest.mark.parametrize(("edit", "match"), BAD_CONFIGS.values(), ids=BAD_CONFIGS.keys())
+def test_malformed_config_fields_are_config_errors(edit, match):
+    from clover_batch.model import CloverConfig
+
+    raw = _tiny_json()
+    edit(raw)
+    with pytest.raises(ConfigError, match=match):
+        CloverConfig.from_json_dict(raw)
+
+
+def test_config_defaults_follow_the_reference():
+    from clover_batch.model import CloverConfig
+
+    raw = _tiny_json()
+    del raw["head_dim"]
+    raw["rope_theta"] = raw["rope_parameters"].pop("rope_theta")  # flat rope_theta, as older configs write it
+    raw.pop("layer_types")
+    raw["full_attention_interval"] = 2
+    cfg = CloverConfig.from_json_dict(raw)
+    assert cfg.head_dim == 256 and cfg.rope_theta == 1e7
+    assert cfg.layer_types == ("linear_attention", "full_attention") * 2
