@@ -1,12 +1,14 @@
 """Checkpoints given as URIs are copied once per node into a local cache before a replica loads them.
 
-The copy goes to `<cache>/<key>.tmp-<pid>` and is renamed to `<cache>/<key>` when complete, so concurrent actors
-on one node never load a half-copied folder (the loser of the rename race throws its copy away). The key hashes
+The copy goes to `<cache>/<key>.tmp-<pid>` and is renamed to `<cache>/<key>` when complete, under an flock on
+`<cache>/<key>.lock`: one process per node downloads, the others wait and reuse it, and none ever loads a
+half-copied folder. The key hashes
 the URI and the files' versions, so a changed checkpoint is copied again.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -39,6 +41,17 @@ def local_checkpoint(source: str, storage_options: dict[str, Any] | None = None,
     target = os.path.join(cache, key)
     if os.path.isdir(target):
         return target
+    os.makedirs(cache, exist_ok=True)
+    # One process per node copies; the others (the tokenize and postprocess workers, other actors) wait for it
+    # and reuse the copy instead of each downloading the whole checkpoint.
+    with open(f"{target}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isdir(target):
+            return target
+        return _copy(fs, root, files, source, target)
+
+
+def _copy(fs, root: str, files: dict, source: str, target: str) -> str:
     tmp = f"{target}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     for path in files:

@@ -73,6 +73,23 @@ class ReadStage:
         self.storage_options = storage_options
         self.max_file_bytes = max_file_bytes
 
+    RETRY_DELAYS_S = (0.5, 2.0, 8.0)
+
+    def _read(self, uri: str) -> bytes:
+        """read_bytes, retried on transient storage errors (a throttled or reset request must not become a final
+        read_error row); a missing, forbidden or oversize file fails at once."""
+        for delay in (*self.RETRY_DELAYS_S, None):
+            try:
+                return read_bytes(uri, self.storage_options, self.max_file_bytes)
+            except (FileNotFoundError, PermissionError, IsADirectoryError, ValueError):
+                raise
+            except Exception as e:
+                if delay is None:
+                    raise
+                log.warning("reading %s failed (%s: %s); retrying in %.1f s", uri, type(e).__name__, e, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = to_rows(batch)
         for row in rows:
@@ -82,7 +99,7 @@ class ReadStage:
                 continue
             with timed(row, "read"):
                 try:
-                    row["data"] = read_bytes(row["source_uri"], self.storage_options, self.max_file_bytes)
+                    row["data"] = self._read(row["source_uri"])
                 except Exception as e:  # storage errors are per document; the run goes on
                     fail(row, "read_error", f"cannot read: {type(e).__name__}: {e}")
         return to_table(rows)

@@ -52,3 +52,41 @@ def test_pdf_with_empty_user_password_opens(tmp_path):
     path = make_pdf(tmp_path / "owner-only.pdf", ["readable"], encryption=4, owner_pw="owner")
     parsed = parse_document("owner-only.pdf", path.read_bytes())
     assert (parsed.status, parsed.text) == ("ok", "readable")
+
+
+def test_read_stage_statuses_and_retries_transient_errors():
+    import fsspec
+    import pyarrow as pa
+    from clover_batch.pipeline.rows import WORK_SCHEMA
+    from clover_batch.pipeline.stages import ReadStage
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class FlakyFS(MemoryFileSystem):
+        """A store whose first two reads of each file fail like a throttled S3 request."""
+
+        protocol = "flaky"
+        failures: dict[str, int] = {}  # noqa: RUF012
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return MemoryFileSystem._strip_protocol("memory://" + str(path).removeprefix("flaky://"))
+
+        def _open(self, path, mode="rb", **kwargs):
+            if "r" in mode and self.failures.get(path, 0) < 2:
+                self.failures[path] = self.failures.get(path, 0) + 1
+                raise ConnectionError("503 Slow Down")
+            return super()._open(path, mode, **kwargs)
+
+    fsspec.register_implementation("flaky", FlakyFS, clobber=True)
+    fs = FlakyFS()
+    fs.pipe_file("/docs/a.txt", b"hello")
+    fs.pipe_file("/docs/big.txt", b"x" * 100)
+    rows = [{"doc_id": n, "source_uri": f"flaky://docs/{n}", "size": size, "status": "ok"}
+            for n, size in (("a.txt", 5), ("big.txt", 100), ("gone.txt", 1))]
+    stage = ReadStage({}, max_file_bytes=50)
+    stage.RETRY_DELAYS_S = (0.01, 0.01, 0.01)
+    out = {r["doc_id"]: r for r in stage(pa.Table.from_pylist(rows, WORK_SCHEMA)).to_pylist()}
+    assert out["a.txt"]["status"] == "ok" and out["a.txt"]["data"] == b"hello"  # two 503s, then read
+    assert out["big.txt"]["status"] == "too_large" and "max_file_bytes=50" in out["big.txt"]["error"]
+    assert out["gone.txt"]["status"] == "read_error" and "FileNotFoundError" in out["gone.txt"]["error"]
+    assert FlakyFS.failures == {"/docs/a.txt": 2, "/docs/gone.txt": 2}  # not-found ends the retries at once
