@@ -94,3 +94,36 @@ def test_overlapping_run_is_refused_and_nothing_is_doubled(ray_session, tmp_path
     assert not (out / LOCK).exists()
     again = run(parse_job(raw)).report  # the next scheduled run finds everything done
     assert (again["processed"], again["skipped_done"]) == (0, 4)
+
+
+def test_kill_while_writing_to_s3_then_rerun(ray_session, s3_server, s3_bucket, tmp_path):
+    """The object-store commit path (one PUT per part, lock by If-None-Match) under a SIGKILL mid-run."""
+    bucket, client = s3_bucket
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(5):
+        (docs / f"memo-{i}.txt").write_text(f"Memo {i}: the meeting moved to room {i}.")
+    out = f"s3://{bucket}/results/"
+    raw = job_raw(str(docs), out, output={"rows_per_file": 1, "storage_options": s3_server},
+                  resources={"batch_size": 1})
+    raw["decode"]["max_new_tokens"] = 4
+    job = write_job(tmp_path / "job.yaml", raw)
+    env = {**os.environ, "CLOVER_BATCH_FAULT": "writing:3"}
+    cmd = [sys.executable, "-m", "clover_batch.jobs.cli", "run", str(job), "--address", ray_session]
+    killed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+
+    location = Location(out, s3_server)
+    survivors = read_output(location)
+    committed = 0 if survivors is None else survivors.num_rows
+    assert committed == 2  # the third part was killed before its PUT: nothing half-visible
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="results/")["Contents"]]
+    assert "results/_lock.json" in keys and not any(k.startswith("results/_reports/") for k in keys)
+
+    # the killed driver's lock is taken over at once (its pid is gone on this host); one row per document
+    report = run(parse_job(raw)).report
+    assert (report["skipped_done"], report["processed"]) == (2, 3)
+    table = read_output(location)
+    assert table.num_rows == 5 and len(set(table.column("doc_id").to_pylist())) == 5
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="results/")["Contents"]]
+    assert "results/_lock.json" not in keys
