@@ -258,9 +258,7 @@ class OutputLock:
         if _is_local(self.fs):
             os.makedirs(self.root, exist_ok=True)
         held = read_lock(self.location)
-        if held is None and self._create():
-            held = {"run_id": self.run_id}
-        else:
+        if not (held is None and self._create()):  # someone holds it, or created it between our read and create
             held = held if held is not None else read_lock(self.location) or {}
             if held.get("run_id") != self.run_id:
                 why = self._stale(held)
