@@ -76,7 +76,8 @@ def ray_session():
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # address="local": a new Ray of our own, never a cluster some other process left in /tmp/ray
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
