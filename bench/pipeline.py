@@ -71,7 +71,8 @@ def main() -> None:
         return time.perf_counter() - start, tokens
 
     # Ray pipeline: one replica with the same threads; spare logical CPUs for the cheap stages.
-    ray.init(address="local", num_cpus=args.threads + 1, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=args.threads + 1, include_dashboard=False, log_to_driver=False,
+             logging_level="WARNING")
 
     def pipeline(i: int) -> dict:
         spec = parse_job(

@@ -58,6 +58,13 @@ class CloverModel(nn.Module):
         attention: "causal" | "block_causal" (default: the config's prompt attention). keep_logits: logits for the
         last n positions only (None: all, 0: none). window_tokens: overrides the config's attention window.
         """
+        return self.forward_train(input_ids, state, commit=commit, attention=attention, keep_logits=keep_logits,
+                                  window_tokens=window_tokens)
+
+    def forward_train(self, input_ids: torch.Tensor, state: CloverState | None = None, *, commit: bool = True,
+                      attention: str | None = None, keep_logits: int | None = None,
+                      window_tokens: int | None = None) -> tuple[torch.Tensor | None, CloverState]:
+        """`forward` with autograd: the same computation, recording gradients when the caller enables them."""
         cfg = self.config
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [batch, tokens] with tokens >= 1, got shape {tuple(input_ids.shape)}")
