@@ -167,10 +167,11 @@ def check_manifest(location: Location, settings: dict[str, Any]) -> bool:
         except (ValueError, OSError) as e:
             raise OutputConflict(f"{location.join(MANIFEST)} is unreadable ({e}); remove it only if every row in "
                                  f"the output was made by this job") from None
-        if stored != canonical:
-            old, new = _flatten(stored), _flatten(canonical)
-            changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
-                       if old.get(k) != new.get(k)]
+        old, new = _flatten(stored), _flatten(canonical)
+        # a setting absent on one side and null on the other is the same (a newer version adding an option)
+        changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
+                   if old.get(k) != new.get(k)]
+        if changed:
             raise OutputConflict(
                 f"output {location.uri} holds rows made with other settings ({'; '.join(changed)}). Write to a new "
                 f"output.uri, or delete {MANIFEST} there to accept rows made with both settings."

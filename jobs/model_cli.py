@@ -8,6 +8,7 @@ code 2, never a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import StrEnum
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from clover_batch.model.options import DecodeOptions
 from rich.console import Console
 from rich.table import Table
 
@@ -149,8 +151,8 @@ def inspect(
     console.print(table)
 
 
-def generate_text(source: str, prompt: str, *, raw: bool = False, dtype: str = "float32", **options):
-    """Load `source`, generate for one text prompt; returns (text, Generation). Options go to `generate`."""
+def generate_text(source: str, prompt: str, options: DecodeOptions, *, raw: bool = False, dtype: str = "float32"):
+    """Load `source`, generate for one text prompt; returns (text, Generation)."""
     import torch
     from clover_batch.model import generate, load_model
     from clover_batch.pipeline.tokenizer import PromptBuilder
@@ -160,34 +162,37 @@ def generate_text(source: str, prompt: str, *, raw: bool = False, dtype: str = "
     builder = PromptBuilder(source)
     ids = builder.encode(prompt, specials=True) if raw else builder.chat(prompt)
     model = load_model(source, dtype=getattr(torch, dtype))
-    result = generate(model, [ids], **options)[0]
+    result = generate(model, [ids], options)[0]
     return builder.decode(result.tokens), result
+
+
+def _help(name: str) -> str:
+    """A decode option's help text, from DecodeOptions itself."""
+    return next(f.metadata["help"] for f in dataclasses.fields(DecodeOptions) if f.name == name)
 
 
 def generate_command(
     model: Annotated[str, typer.Option(help="Checkpoint directory or preset name.")],
     prompt: Annotated[str, typer.Option(help="Text of the user message.")],
     raw: Annotated[bool, typer.Option("--raw", help="Encode the prompt as is, without the chat template.")] = False,
-    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
-    threshold: Annotated[float, typer.Option(help="Diffusion: unmask every position at least this confident.")] = 0.9,
-    tokens_per_step: Annotated[
-        int | None, typer.Option(help="Diffusion: unmask exactly this many positions per step instead.")
-    ] = None,
-    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
-    seed: Annotated[int | None, typer.Option(help="Seed for sampling (temperature > 0).")] = None,
-    window_tokens: Annotated[int | None, typer.Option(help="Attention window (default: the checkpoint's).")] = None,
-    prefill_chunk_tokens: Annotated[
-        int | None, typer.Option(help="Prefill chunk (default: the checkpoint's).")
-    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(help=_help("max_new_tokens"))] = DecodeOptions.max_new_tokens,
+    threshold: Annotated[float, typer.Option(help=_help("threshold"))] = DecodeOptions.threshold,
+    tokens_per_step: Annotated[int | None, typer.Option(help=_help("tokens_per_step"))] = None,
+    temperature: Annotated[float, typer.Option(help=_help("temperature"))] = DecodeOptions.temperature,
+    top_p: Annotated[float, typer.Option(help=_help("top_p"))] = DecodeOptions.top_p,
+    seed: Annotated[int | None, typer.Option(help=_help("seed"))] = None,
+    stop_token_id: Annotated[list[int] | None, typer.Option(help=_help("stop_token_ids") + " Repeatable.")] = None,
+    window_tokens: Annotated[int | None, typer.Option(help=_help("window_tokens"))] = None,
+    prefill_chunk_tokens: Annotated[int | None, typer.Option(help=_help("prefill_chunk_tokens"))] = None,
     dtype: Annotated[DType, typer.Option(help="Compute dtype.")] = DType.float32,
 ) -> None:
     """Generate for one prompt and print the text with the counts: the quick way to try a checkpoint."""
     with _clean_errors():
-        text, g = generate_text(model, prompt, raw=raw, dtype=dtype.value, max_new_tokens=max_new_tokens,
-                                threshold=threshold, tokens_per_step=tokens_per_step, temperature=temperature,
-                                top_p=top_p, seed=seed, window_tokens=window_tokens,
-                                prefill_chunk_tokens=prefill_chunk_tokens)
+        options = DecodeOptions(max_new_tokens=max_new_tokens, threshold=threshold, tokens_per_step=tokens_per_step,
+                                temperature=temperature, top_p=top_p, seed=seed,
+                                stop_token_ids=tuple(stop_token_id) if stop_token_id else None,
+                                window_tokens=window_tokens, prefill_chunk_tokens=prefill_chunk_tokens)
+        text, g = generate_text(model, prompt, options, raw=raw, dtype=dtype.value)
     console.print(text, highlight=False, markup=False, soft_wrap=True)
     seconds = g.prefill_seconds + g.decode_seconds
     per_forward = len(g.tokens) / max(1, g.denoising_steps)

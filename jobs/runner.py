@@ -87,13 +87,14 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
                        spec.model.dtype, spec.model.storage_options, spec.model.cache_dir,
                        spec.model.expert_parallel),
         task=TaskRef(task.kind, task.instruction, fields),
-        decode=spec.decode.model_dump(),
+        decode=spec.decode.options(),
         job_name=spec.name,
         run_id=run_id,
         replicas=spec.resources.replicas,
         cpus_per_replica=spec.resources.cpus_per_replica,
         gpus_per_replica=spec.resources.gpus_per_replica,
         batch_size=spec.resources.batch_size,
+        max_slots=spec.resources.max_slots,
         rows_per_file=spec.output.rows_per_file,
         max_file_bytes=spec.input.max_file_bytes,
         max_input_tokens=spec.input.max_input_tokens,
@@ -123,6 +124,10 @@ def run(
         from clover_batch.model.expert_parallel import check_expert_parallel
 
         config = load_config(spec.model.source)  # ConfigError names the source and what is wrong
+        try:
+            spec.decode.options().check(config)
+        except ValueError as e:
+            raise ValueError(f"decode: {e} (model {spec.model.source})") from None
         if spec.model.expert_parallel > 1:
             check_expert_parallel(config, spec.model.expert_parallel)
     run_id = run_id or new_run_id()

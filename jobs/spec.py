@@ -6,11 +6,14 @@ unknown fields are errors everywhere (extra="forbid"), so a typo never silently 
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import typing
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from clover_batch.model.options import DecodeOptions
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 
 class _Strict(BaseModel):
@@ -112,24 +115,24 @@ class ExtractTask(_Strict):
         return self
 
 
-class DecodeSpec(_Strict):
-    max_new_tokens: int = Field(default=256, gt=0, description="Most tokens generated per document.")
-    threshold: float = Field(
-        default=0.9,
-        gt=0,
-        le=1,
-        description="Diffusion: confidence needed to fill a masked position in a denoising step.",
-    )
-    tokens_per_step: int | None = Field(
-        default=None,
-        gt=0,
-        description="Diffusion: fill exactly this many positions per step instead of using the threshold.",
-    )
-    temperature: float = Field(default=0.0, ge=0, description="Sampling temperature; 0 is greedy.")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    seed: int | None = Field(default=None, description="Random seed for sampling.")
-    window_tokens: int | None = Field(default=None, gt=0, description="Override the model's attention window.")
-    prefill_chunk_tokens: int | None = Field(default=None, gt=0, description="Override tokens per prefill pass.")
+class _DecodeBase(_Strict):
+    def options(self) -> DecodeOptions:
+        """The engine's typed options (the bounds were already checked by this schema)."""
+        return DecodeOptions(**self.model_dump())
+
+
+def _decode_spec() -> type[_DecodeBase]:
+    """The job's `decode` section, built from DecodeOptions' own fields: names, types, defaults, bounds and help
+    exist once, in clover_batch.model.options."""
+    hints = typing.get_type_hints(DecodeOptions)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(DecodeOptions):
+        bounds = {k: f.metadata[k] for k in ("ge", "gt", "le") if k in f.metadata}
+        fields[f.name] = (hints[f.name], Field(default=f.default, description=f.metadata["help"], **bounds))
+    return create_model("DecodeSpec", __base__=_DecodeBase, **fields)
+
+
+DecodeSpec = _decode_spec()
 
 
 class ResourcesSpec(_Strict):
@@ -138,7 +141,19 @@ class ResourcesSpec(_Strict):
     cpus_per_replica: float = Field(
         default=1, gt=0, description="CPUs reserved per replica; also the torch thread count of the replica."
     )
-    batch_size: int = Field(default=4, ge=1, description="Documents decoded together in one generate() call.")
+    batch_size: int = Field(
+        default=4,
+        ge=1,
+        description="Documents per Ray batch handed to a replica. A replica keeps several batches in flight, so "
+        "this is not how many it decodes at once (see max_slots); small batches stream results sooner.",
+    )
+    max_slots: int = Field(
+        default=16,
+        ge=1,
+        description="Documents one replica decodes at once (its engine's slots, continuous batching). Fewer are "
+        "used if the replica's memory cannot hold this many (each slot holds a document's state: the recurrent "
+        "state and the attention window's keys and values).",
+    )
 
 
 class JobSpec(_Strict):

@@ -12,8 +12,10 @@ import torch
 
 from .clover import CloverModel
 from .config import CloverConfig, ConfigError, DiffusionConfig, from_preset, is_preset
-from .generate import DecodeOptions, Generation, generate
+from .engine import Engine, EngineCapacityError, EngineStats, Generation, Request
+from .generate import generate
 from .moe import Experts
+from .options import DecodeOptions
 from .state import AttentionState, CloverState, GDNState
 from .weights import CheckpointError, init_random_weights, load_checkpoint_weights, read_config, save_checkpoint
 
@@ -26,8 +28,12 @@ __all__ = [
     "ConfigError",
     "DecodeOptions",
     "DiffusionConfig",
+    "Engine",
+    "EngineCapacityError",
+    "EngineStats",
     "GDNState",
     "Generation",
+    "Request",
     "build_model",
     "from_preset",
     "generate",

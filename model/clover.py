@@ -8,6 +8,8 @@ Notable choices:
   are always causal: a recurrence has no other form.
 - `keep_logits` computes the lm_head only for the last n positions (0: none): prefill of a 128K window would
   otherwise materialise T x V logits nobody reads.
+- `forward_slots` is the engine's path over preallocated slots written in place (slots.py); the layers are the same,
+  only the state objects differ, and tests hold the two paths equal.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 from . import ops
 from .config import CloverConfig
 from .layers import AttentionContext, DecoderLayer, RMSNorm
+from .slots import SlotRows
 from .state import AttentionState, CloverState
 
 
@@ -92,17 +95,38 @@ class CloverModel(nn.Module):
             h, layer_state = layer(h, layer_state, ctx)
             new_layers.append(layer_state)
 
-        logits = None
-        if keep_logits != 0:
-            h = h if keep_logits is None else h[:, -keep_logits:]
-            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            logits = ops.linear(self.norm(h), head)
+        logits = self._logits(h, keep_logits)
         if not commit:
             return logits, state
         positions = state.positions + T
         first_visible = positions - ctx.window + 1  # the next query's window start
         trimmed = [s.trimmed(first_visible) if isinstance(s, AttentionState) else s for s in new_layers]
         return logits, CloverState(trimmed, positions)
+
+    @torch.inference_mode()
+    def forward_slots(self, input_ids: torch.Tensor, rows: SlotRows, *, attention: str,
+                      keep_logits: int | None) -> torch.Tensor | None:
+        """The engine's forward: `input_ids` [B, T] after the sequences in slots rows.start.. (slots.py), whose
+        state is read in place and advanced in place for the committing rows. Returns logits as `forward` does.
+
+        Token ids are not checked here: the engine checks prompts when they are added, and every other id it
+        feeds comes from the model itself (a check would cost a host sync per step).
+        """
+        ctx = self._context(rows.positions, input_ids.shape[1], attention, rows.window)
+        rows.write_key_positions(ctx.q_pos)
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h, _ = layer(h, rows.layer(i), ctx)
+        logits = self._logits(h, keep_logits)
+        rows.commit()
+        return logits
+
+    def _logits(self, h: torch.Tensor, keep_logits: int | None) -> torch.Tensor | None:
+        if keep_logits == 0:
+            return None
+        h = h if keep_logits is None else h[:, -keep_logits:]
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return ops.linear(self.norm(h), head)
 
     def _context(self, positions: torch.Tensor, T: int, attention: str, window: int) -> AttentionContext:
         cfg = self.config

@@ -503,14 +503,14 @@ class ExpertParallelReplica:
         self.restarts += 1
         self._connect()
 
-    def generate(self, prompts: list[list[int]], **options: Any) -> list:
+    def generate(self, prompts: list[list[int]], options: Any = None, **overrides: Any) -> list:
         from .generate import generate
 
         for attempt in range(self.max_restarts + 1):
             try:
                 if self.group is None or self.group.failure is not None:
                     self.restart()
-                return generate(self.model, prompts, **options)
+                return generate(self.model, prompts, options, **overrides)
             except ExpertParallelError as e:
                 why = self._dead_worker()
                 if attempt == self.max_restarts:

@@ -3,7 +3,9 @@
 Shapes: B batch, T new tokens, S cached + new keys, D hidden, H heads, Hk/Hv GDN key/value heads,
 Dk/Dv GDN head dims, C conv channels (2*Hk*Dk + Hv*Dv).
 
-Every layer takes its slice of the state and returns the updated slice; modules hold weights only.
+Every layer takes its slice of the state and returns the updated slice; modules hold weights only. The slice is
+either the functional state (state.py: new tensors each forward) or a view of the engine's slots (slots.py: written
+in place); both offer the same two methods, so the layers' maths exists once.
 Module and parameter names follow the Qwen3.5-MoE checkpoints, so the key mapping (weights.py) stays a table.
 """
 
@@ -18,7 +20,7 @@ from torch import nn
 from . import ops
 from .config import CloverConfig
 from .moe import SparseMoE
-from .state import AttentionState, GDNState
+from .state import AttentionLayerState, GDNLayerState
 
 
 class RMSNorm(nn.Module):
@@ -62,7 +64,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.Dv, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, D, bias=False)
 
-    def forward(self, x_BTD: torch.Tensor, state: GDNState) -> tuple[torch.Tensor, GDNState]:
+    def forward(self, x_BTD: torch.Tensor, state: GDNLayerState) -> tuple[torch.Tensor, GDNLayerState]:
         B, T, _ = x_BTD.shape
         mixed, conv_tail = ops.causal_conv(ops.linear(x_BTD, self.in_proj_qkv.weight),
                                            self.conv1d.weight[:, 0], state.conv)  # [B, T, C]
@@ -81,7 +83,7 @@ class GatedDeltaNet(nn.Module):
         o, recurrent = ops.gdn(q, k, v, g, beta, state.recurrent)  # [B, T, Hv, Dv] fp32
         z = ops.linear(x_BTD, self.in_proj_z.weight).reshape(B, T, self.Hv, self.Dv)
         o = self.norm(o.to(x_BTD.dtype), z).reshape(B, T, self.value_dim)
-        return ops.linear(o, self.out_proj.weight), GDNState(recurrent, conv_tail)
+        return ops.linear(o, self.out_proj.weight), state.advanced(recurrent, conv_tail)
 
 
 @dataclass
@@ -107,8 +109,8 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.Dh, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.Dh, config.rms_norm_eps)
 
-    def forward(self, x_BTD: torch.Tensor, state: AttentionState,
-                ctx: AttentionContext) -> tuple[torch.Tensor, AttentionState]:
+    def forward(self, x_BTD: torch.Tensor, state: AttentionLayerState,
+                ctx: AttentionContext) -> tuple[torch.Tensor, AttentionLayerState]:
         B, T, _ = x_BTD.shape
         q, gate = ops.linear(x_BTD, self.q_proj.weight).view(B, T, self.H, 2 * self.Dh).chunk(2, dim=-1)
         q = self.q_norm(q).transpose(1, 2)  # [B, H, T, Dh]
@@ -116,14 +118,12 @@ class GatedAttention(nn.Module):
         v = ops.linear(x_BTD, self.v_proj.weight).view(B, T, self.Hkv, self.Dh).transpose(1, 2)
         q, k = ops.apply_rope(q, ctx.cos, ctx.sin), ops.apply_rope(k, ctx.cos, ctx.sin)
 
-        keys = torch.cat([state.keys, k], dim=2)  # [B, Hkv, S, Dh]
-        values = torch.cat([state.values, v], dim=2)
-        key_pos = torch.cat([state.key_pos, ctx.q_pos], dim=1)  # [B, S]
+        keys, values, key_pos, state = state.extended(k, v, ctx.q_pos)  # [B, Hkv, S, Dh], [B, S]
         kp = key_pos[:, None, :]
         mask = (kp >= 0) & (kp <= ctx.visible_until[:, :, None]) & (kp > ctx.q_pos[:, :, None] - ctx.window)
         out = ops.attention(q, keys, values, mask)  # [B, H, T, Dh]
         out = out.transpose(1, 2).reshape(B, T, self.H * self.Dh) * torch.sigmoid(gate.reshape(B, T, -1))
-        return ops.linear(out, self.o_proj.weight), AttentionState(keys, values, key_pos)
+        return ops.linear(out, self.o_proj.weight), state
 
 
 class DecoderLayer(nn.Module):
@@ -138,12 +138,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SparseMoE(config)
 
-    def forward(self, h: torch.Tensor, state: GDNState | AttentionState,
-                ctx: AttentionContext) -> tuple[torch.Tensor, GDNState | AttentionState]:
+    def forward(self, h: torch.Tensor, state: GDNLayerState | AttentionLayerState,
+                ctx: AttentionContext) -> tuple[torch.Tensor, GDNLayerState | AttentionLayerState]:
         x = self.input_layernorm(h)
-        if isinstance(state, GDNState):
-            mixed, state = self.linear_attn(x, state)
+        if self.kind == "linear_attention":
+            mixed, state = self.linear_attn(x, state)  # type: ignore[arg-type]
         else:
-            mixed, state = self.self_attn(x, state, ctx)
+            mixed, state = self.self_attn(x, state, ctx)  # type: ignore[arg-type]
         h = h + mixed
         return h + self.mlp(self.post_attention_layernorm(h)), state

@@ -47,13 +47,21 @@ class Dispatch:
     offsets: torch.Tensor  # [E] int32 end offset of each expert's rows
 
 
-def dispatch(expert_ids: torch.Tensor, num_experts: int, first_expert: int = 0) -> Dispatch:
-    """Sort routed pairs by (local) expert; pairs whose expert is outside [first, first+E) are not in `order`."""
+def dispatch(expert_ids: torch.Tensor, num_experts: int, first_expert: int = 0, *, all_local: bool = False) -> Dispatch:
+    """Sort routed pairs by (local) expert; pairs whose expert is outside [first, first+E) are not in `order`.
+
+    all_local: every id is known to be in range (all experts on this device), so nothing is filtered and no host
+    sync is needed (counting the kept pairs would be one per MoE layer, every decode step).
+    """
     flat = expert_ids.reshape(-1) - first_expert
-    keep = (flat >= 0) & (flat < num_experts)
-    order = torch.argsort(torch.where(keep, flat, num_experts), stable=True)[: int(keep.sum())]
-    counts = torch.bincount(flat[order], minlength=num_experts)
-    return Dispatch(order, counts.cumsum(0).to(torch.int32))
+    if all_local:
+        order = torch.argsort(flat, stable=True)
+    else:
+        keep = (flat >= 0) & (flat < num_experts)
+        order = torch.argsort(torch.where(keep, flat, num_experts), stable=True)[: int(keep.sum())]
+    # end offsets by binary search over the sorted ids: bincount would read its maximum back to the host on CUDA
+    ends = torch.searchsorted(flat[order], torch.arange(num_experts, device=flat.device), right=True)
+    return Dispatch(order, ends.to(torch.int32))
 
 
 def expert_mlp(x_PD: torch.Tensor, gate_up_EFD: torch.Tensor, down_EDI: torch.Tensor,
@@ -100,7 +108,7 @@ class LocalDispatcher:
     """All experts live on this device."""
 
     def __call__(self, x_ND: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
-        d = dispatch(routing.experts, experts.num_local, experts.first_expert)
+        d = dispatch(routing.experts, experts.num_local, experts.first_expert, all_local=experts.holds_all)
         x_PD = x_ND[d.order // routing.experts.shape[1]]
         y_PD = expert_mlp(x_PD, experts.gate_up_proj, experts.down_proj, d.offsets)
         return combine(y_PD, d, routing, x_ND.shape[0])
@@ -113,6 +121,7 @@ class Experts(nn.Module):
         super().__init__()
         self.first_expert = first_expert
         self.num_local = config.num_experts if num_local is None else num_local
+        self.holds_all = first_expert == 0 and self.num_local == config.num_experts  # every expert of the layer
         D, Iw = config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * Iw, D))  # [E, 2I, D]: gate rows, then up
         self.down_proj = nn.Parameter(torch.empty(self.num_local, D, Iw))  # [E, D, I]

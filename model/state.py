@@ -1,5 +1,9 @@
 """The explicit per-sequence state a forward pass takes and returns. Nothing is cached on modules.
 
+This is the functional state of `CloverModel.forward` (tests, training, the plain reference): every forward makes
+new tensors. The engine keeps its sequences in preallocated slots written in place instead (slots.py); both offer
+the layers the same two methods, `advanced` (GDN) and `extended` (attention).
+
 Shapes: B batch, Hv GDN value heads, Dk/Dv GDN key/value dims, C conv channels, Kc conv kernel, Hkv attention KV
 heads, S cached keys, D head dim.
 
@@ -14,10 +18,30 @@ Notable choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from .config import CloverConfig
+
+
+class GDNLayerState(Protocol):
+    """What a GDN layer reads and returns: its initial state, and the state after its tokens."""
+
+    @property
+    def recurrent(self) -> torch.Tensor: ...  # [B, Hv, Dk, Dv] fp32
+
+    @property
+    def conv(self) -> torch.Tensor: ...  # [B, Kc-1, C]
+
+    def advanced(self, recurrent: torch.Tensor, conv: torch.Tensor) -> GDNLayerState: ...
+
+
+class AttentionLayerState(Protocol):
+    """What an attention layer reads and returns: the keys to attend over, including the new ones."""
+
+    def extended(self, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, q_pos_BT: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionLayerState]: ...
 
 
 @dataclass
@@ -28,6 +52,10 @@ class GDNState:
     def select(self, idx: torch.Tensor) -> GDNState:
         return GDNState(self.recurrent[idx], self.conv[idx])
 
+    def advanced(self, recurrent: torch.Tensor, conv: torch.Tensor) -> GDNState:
+        """The state after a forward: a new object (this one is never written)."""
+        return GDNState(recurrent, conv)
+
 
 @dataclass
 class AttentionState:
@@ -37,6 +65,15 @@ class AttentionState:
 
     def select(self, idx: torch.Tensor) -> AttentionState:
         return AttentionState(self.keys[idx], self.values[idx], self.key_pos[idx]).trimmed(None)
+
+    def extended(self, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor,
+                 q_pos_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionState]:
+        """(keys, values, key_pos) to attend over: the cache followed by the new tokens; and the state holding
+        them (a new object: this one is never written)."""
+        keys = torch.cat([self.keys, k_BHTD], dim=2)  # [B, Hkv, S, D]
+        values = torch.cat([self.values, v_BHTD], dim=2)
+        key_pos = torch.cat([self.key_pos, q_pos_BT], dim=1)  # [B, S]
+        return keys, values, key_pos, AttentionState(keys, values, key_pos)
 
     def trimmed(self, first_visible: torch.Tensor | None) -> AttentionState:
         """Drop leading slots that are empty, or older than `first_visible` [B], in every row."""

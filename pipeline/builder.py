@@ -2,6 +2,8 @@
 
     listed documents -> read -> parse -> tokenize -> infer (actor pool) -> postprocess -> write parts -> stats
 
+The infer actors are async: several Ray batches are in flight per actor and feed one continuous-batching engine.
+
 The driver lists the documents (connectors/) and hands the pending ones in; what comes out is one small stats row
 per document, for progress and the run report. Results themselves are committed to Parquet by the write stage in
 the workers, so nothing large flows back to the driver, and the driver and workers need not share a disk.
@@ -10,7 +12,7 @@ the workers, so nothing large flows back to the driver, and the driver and worke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
 from clover_batch.connectors.fs import DocumentRef, Location
@@ -26,6 +28,9 @@ from clover_batch.pipeline.stages import (
     WriteStage,
 )
 
+if TYPE_CHECKING:
+    from clover_batch.model import DecodeOptions
+
 
 @dataclass(frozen=True)
 class PipelineOptions:
@@ -35,13 +40,14 @@ class PipelineOptions:
     output: Location
     model: ModelRef
     task: TaskRef
-    decode: dict[str, Any]  # keyword arguments of clover_batch.model.generate
+    decode: DecodeOptions
     job_name: str
     run_id: str
     replicas: int = 1
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
-    batch_size: int = 4  # documents per generate() call
+    batch_size: int = 4  # documents per Ray batch into the infer actors
+    max_slots: int = 16  # documents one replica's engine decodes at once
     rows_per_file: int = 64
     max_file_bytes: int = 256 * 2**20
     max_input_tokens: int = 1_048_576
@@ -63,6 +69,7 @@ def build_pipeline(docs: list[DocumentRef], opts: PipelineOptions) -> ray.data.D
     # Parsing is far cheaper than decoding, so a few task workers keep the actors fed; more would only spawn
     # processes that compete with the actors for CPU while they start.
     concurrency = opts.prep_concurrency or 2 * opts.replicas
+    in_flight = -(-opts.max_slots // opts.batch_size) + 1
     prep = {"batch_size": opts.prep_batch_size, "num_cpus": opts.prep_num_cpus, "concurrency": concurrency, **fmt}
     return (
         ds.map_batches(ReadStage(opts.input.storage_options, opts.max_file_bytes), **prep)
@@ -74,8 +81,12 @@ def build_pipeline(docs: list[DocumentRef], opts: PipelineOptions) -> ray.data.D
                 "model": opts.model,
                 "decode": opts.decode,
                 "num_threads": max(1, int(opts.cpus_per_replica)),
+                "max_slots": opts.max_slots,
             },
-            compute=ray.data.ActorPoolStrategy(size=opts.replicas),
+            # Enough Ray batches in flight per actor to fill the engine's slots, plus one queued behind them, so a
+            # freed slot is refilled at the next step instead of when a whole batch has finished.
+            compute=ray.data.ActorPoolStrategy(size=opts.replicas, max_tasks_in_flight_per_actor=in_flight),
+            max_concurrency=in_flight,
             num_cpus=opts.cpus_per_replica,
             num_gpus=opts.gpus_per_replica,
             batch_size=opts.batch_size,

@@ -1,17 +1,20 @@
 """Pipeline stages: small classes, setup in `__init__`, `__call__(batch: pa.Table) -> pa.Table` does the work.
 
 read -> parse -> tokenize are cheap, stateless tasks (Ray fuses them); `InferStage` is the actor that holds one
-model replica and decodes a batch of documents with one generate() call; postprocess decodes and checks answers;
+model replica and one continuous-batching engine, fed by several Ray batches at once; postprocess decodes and
+checks answers;
 `WriteStage` commits each batch as one Parquet part and passes on only small stats rows for progress and the report.
 Stages never raise for a bad document: they set its status (see pipeline/parse.py and pipeline/rows.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from clover_batch.connectors.checkpoint import local_checkpoint
@@ -30,6 +33,9 @@ from clover_batch.pipeline.rows import (
     to_table,
 )
 from clover_batch.pipeline.tokenizer import PromptBuilder
+
+if TYPE_CHECKING:  # the model package (torch) is imported by the infer actor only, not by the cheap stages
+    from clover_batch.model import DecodeOptions
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +160,17 @@ class TokenizeStage:
 
 
 class InferStage:
-    """One model replica (a Ray actor): decodes the batch's good documents together in one generate() call."""
+    """One model replica (a Ray actor) and its continuous-batching engine, fed by several Ray batches at once.
 
-    def __init__(self, model: ModelRef, decode: dict[str, Any], num_threads: int):
+    `__call__` is an async generator: Ray Data runs several calls per actor concurrently (`max_concurrency`), each
+    hands its documents to the engine loop (pipeline/serving.py) and yields its rows once all of them finished,
+    so the engine always has the next batch's documents to admit when a slot frees up.
+    """
+
+    def __init__(self, model: ModelRef, decode: DecodeOptions, num_threads: int, max_slots: int):
         import torch
-        from clover_batch.model import load_model
+        from clover_batch.model import Engine, load_model
+        from clover_batch.pipeline.serving import EngineLoop
 
         torch.set_num_threads(max(1, num_threads))
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[model.dtype]
@@ -173,59 +185,47 @@ class InferStage:
             self.model = self.replica.model
         else:
             self.model = load_model(model.local(), device=device, dtype=dtype)
-        self.decode = decode
-        log.info("replica loaded %s on %s", self.model.config.name, device)
+        self.engine = Engine(self.model, decode, max_slots=max_slots)
+        if self.replica is None:
+            self.loop = EngineLoop(self.engine)
+        else:  # a dead worker rank: restart the workers, rerun what was in flight
+            self.loop = EngineLoop(self.engine, recover=self.replica.restart, max_recoveries=self.replica.max_restarts)
+        log.info("replica loaded %s on %s: %d slots of %.1f MiB", self.model.config.name, device,
+                 self.engine.num_slots, self.engine.slot_bytes.total / 2**20)
 
-    def _generate(self, rows: list[dict[str, Any]]) -> None:
-        from clover_batch.model import generate
-
-        start = time.perf_counter()
-        prompts = [r["prompt_ids"] for r in rows]
-        if self.replica is not None:  # restarts failed worker ranks and reruns the call
-            gens = self.replica.generate(prompts, **self.decode)
-        else:
-            gens = generate(self.model, prompts, **self.decode)
-        share = (time.perf_counter() - start) / len(rows)
-        for row, gen in zip(rows, gens, strict=True):
-            # Batch-level times are split evenly, so per-stage sums over documents add up to the actor's busy time.
-            row["timings"] = {
-                **(row["timings"] or {}),
-                "infer": share,
-                "prefill": gen.prefill_seconds,
-                "decode": gen.decode_seconds / len(rows),
-            }
-            row.update(
-                prompt_ids=None,
-                output_ids=list(gen.tokens),
-                output_tokens=len(gen.tokens),
-                windows=gen.windows,
-                forward_passes=gen.forward_passes,
-                denoising_steps=gen.denoising_steps,
-                stopped=gen.stopped,
-            )
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    async def __call__(self, batch: pa.Table) -> AsyncIterator[pa.Table]:
+        from clover_batch.model import EngineCapacityError
         from clover_batch.model.expert_parallel import ExpertParallelError
 
         rows = to_rows(batch)
         todo = [r for r in rows if _ok(r)]
         if todo:
-            try:
-                self._generate(todo)
-            except ExpertParallelError:
-                raise  # the replica is broken past its restarts: not the documents' fault, so no rows for them
-            except Exception as e:
-                # Find the document that broke the batch: rerun one by one so the others still get results.
-                log.warning("batch of %d failed (%s); retrying documents one by one", len(todo), e)
-                for row in todo:
-                    try:
-                        self._generate([row])
-                    except ExpertParallelError:
-                        raise
-                    except Exception as e1:
-                        fail(row, "inference_error", f"{type(e1).__name__}: {e1}")
+            results = await asyncio.gather(*(self.loop.submit(r["prompt_ids"], name=r["doc_id"]) for r in todo),
+                                           return_exceptions=True)
+            for row, gen in zip(todo, results, strict=True):
+                if isinstance(gen, ExpertParallelError | EngineCapacityError):
+                    raise gen  # the replica is broken or too small: not the documents' fault, so no rows for them
+                if isinstance(gen, BaseException):
+                    fail(row, "inference_error", f"{type(gen).__name__}: {gen}")
+                    continue
+                row["timings"] = {
+                    **(row["timings"] or {}),
+                    # this document's engine time: its prefill, and its share of every decode step it was in
+                    "infer": gen.prefill_seconds + gen.decode_seconds,
+                    "prefill": gen.prefill_seconds,
+                    "decode": gen.decode_seconds,
+                }
+                row.update(
+                    prompt_ids=None,
+                    output_ids=list(gen.tokens),
+                    output_tokens=len(gen.tokens),
+                    windows=gen.windows,
+                    forward_passes=gen.forward_passes,
+                    denoising_steps=gen.denoising_steps,
+                    stopped=gen.stopped,
+                )
             fault_point("inference")
-        return to_table(rows)
+        yield to_table(rows)
 
 
 class PostprocessStage:

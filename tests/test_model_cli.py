@@ -142,7 +142,7 @@ def test_generate_prints_the_engines_text_and_counts(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--model", "tiny", "--prompt", "hi", "--threshold", "1.5"], "threshold must be in (0, 1]"),
+    (["--model", "tiny", "--prompt", "hi", "--threshold", "1.5"], "threshold must be <= 1, got 1.5"),
     (["--model", "tiny", "--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
     (["--model", "tiny-ar", "--prompt", "hi", "--tokens-per-step", "4"], "this model is autoregressive"),
     (["--model", "no-such-dir", "--prompt", "hi"], "no-such-dir"),

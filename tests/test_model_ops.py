@@ -139,15 +139,17 @@ def test_dispatch_sorts_pairs_by_expert():
     d = dispatch(experts, num_experts=4)
     assert d.order.tolist() == [1, 4, 0, 2, 5, 3]  # pairs (token*k + slot) of experts 0, 0, 2, 2, 2, 3
     assert d.offsets.tolist() == [2, 2, 5, 6]
+    everything = dispatch(experts, num_experts=4, all_local=True)  # no range filter
+    assert torch.equal(everything.order, d.order) and torch.equal(everything.offsets, d.offsets)
     local = dispatch(experts, num_experts=2, first_expert=2)  # a rank holding experts 2 and 3
     assert local.order.tolist() == [0, 2, 5, 3]
     assert local.offsets.tolist() == [3, 4]
 
 
 class _Experts:
-    def __init__(self, gate_up, down):
+    def __init__(self, gate_up, down, holds_all=True):
         self.gate_up_proj, self.down_proj = gate_up, down
-        self.first_expert, self.num_local = 0, gate_up.shape[0]
+        self.first_expert, self.num_local, self.holds_all = 0, gate_up.shape[0], holds_all
 
 
 @pytest.mark.parametrize("N,E,k", [(1, 4, 1), (37, 8, 2), (100, 5, 3), (64, 32, 4)], ids=lambda v: str(v))
@@ -161,6 +163,8 @@ def test_moe_dispatch_equals_expert_loop(N, E, k):
     torch.testing.assert_close(routing.weights.sum(-1), torch.ones(N))
     ours = LocalDispatcher()(x, routing, _Experts(gate_up, down))
     assert_close(ours, experts_reference(x, routing, gate_up, down), 1e-5)
+    filtered = LocalDispatcher()(x, routing, _Experts(gate_up, down, holds_all=False))  # the range-checking path
+    assert torch.equal(filtered, ours)
 
 
 def test_moe_dispatch_bf16_close_to_fp32():

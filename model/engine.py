@@ -1,0 +1,474 @@
+"""The generation engine: continuous batching over preallocated slot state, token ids only.
+
+    engine.add(Request) at any time  ->  engine.step() ... each returns the requests that finished in it
+    a step = one prefill chunk: the prefilling request, then newly admitted ones, up to a token budget
+           | one decode step over every decoding slot: a denoising step (diffusion) or one token (autoregressive)
+
+Notable choices:
+- Slots (slots.py) are allocated once, as many as `memory_budget_bytes` holds (per-slot bytes from the config:
+  GDN state, conv tails, the window's keys and values, the block) and at most `max_slots`. Decoding sequences
+  always occupy slots [0, n), so a decode step reads and writes views: when one finishes, the last one is moved
+  into its slot (one copy of its live state per finished request, never per step).
+- One request prefills at a time, first come first served, in `prefill_chunk_tokens` pieces; a prefill step runs
+  pieces of the current request and then of newly admitted ones until `prefill_tokens_per_step` tokens are done.
+  The prefilling request sits in slot n and so becomes decoding without a copy (one copy if a decoding request
+  finished meanwhile). Each prompt is prefilled alone (B=1): prompts have different lengths, and a padded batch
+  would run padding through the GDN recurrence.
+- Policy: with sequences decoding, a prefill step follows every `decode_steps_per_prefill` decode steps, so long
+  prompts prefill in chunks while the others keep decoding; with none decoding, prefill runs back to back.
+  0 means prefill whenever there is prefill work (fill the slots first). bench/engine.py measures the choices.
+- A diffusion block that finished in one step is committed by the next step's forward, the one in which the other
+  rows take their denoising steps (per-row commit, slots.py): no separate commit forward, and every forward runs
+  over all decoding rows. A sequence's last block is never committed (nothing reads it).
+- One host sync per decode step: after the forward, tokens, confidences and the block updates are computed on the
+  device for all rows, and one read-back brings the blocks (or tokens) and the done flags to the host.
+- Sampling (temperature > 0) draws from each request's own generator, seeded from its `seed` (or from the
+  options' seed and its id), so a request gets the same output whatever else is in flight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .clover import CloverModel
+from .options import DecodeOptions
+from .sampling import pick_tokens, select_block_positions
+from .slots import SlotBytes, SlotState, slot_bytes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_SLOTS = 64  # when max_slots is not given: as many as fit, up to this
+CUDA_BUDGET_FRACTION = 0.8  # of the device memory free when the engine starts (the rest: activations, fragmentation)
+CPU_BUDGET_FRACTION = 0.5  # of the RAM available when the engine starts
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str  # unique among the requests in flight
+    prompt_ids: list[int]
+    seed: int | None = None  # sampling stream; None: derived from the options' seed and the id
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # generated ids, cut before the first stop token
+    forward_passes: int  # forward calls this sequence took part in (prefill chunks, steps, commits)
+    denoising_steps: int  # decode steps (autoregressive: one per token)
+    prompt_tokens: int
+    prefill_seconds: float  # this sequence's prefill forwards
+    decode_seconds: float  # its share of every decode step it took part in (step time / rows in the step)
+    windows: int  # ceil(prompt_tokens / window_tokens): attention windows the prompt spans
+    stopped: str  # "eos" (a stop token was generated) or "length" (max_new_tokens reached)
+
+
+@dataclass
+class EngineStats:
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    forwards: int = 0  # forward passes (each prefill piece, each decode step)
+    prefill_tokens: int = 0
+    decode_rows: int = 0  # sum over decode steps of the rows in the step
+    most_active: int = 0  # most sequences holding a slot at once
+    moves: int = 0  # slot copies (compaction)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+class EngineCapacityError(ValueError):
+    """The engine cannot hold even one sequence in its memory budget."""
+
+
+@dataclass
+class _Live:
+    """Bookkeeping of one request from add() to its result."""
+
+    req: Request
+    order: int  # admission order (first come, first served; also the order after a restart)
+    generator: torch.Generator | None
+    prefill_target: int  # prompt tokens prefill commits (diffusion: up to the last whole block)
+    slot: int = -1
+    length: int = 0  # committed tokens (== the slot's position)
+    out: list[int] = field(default_factory=list)
+    tail: int = 0  # diffusion: prompt tokens at the start of the current block
+    commit_next: bool = False  # diffusion: the current block is finished; the next forward commits it
+    next_token: int = -1  # autoregressive: the token just sampled, fed in the step's forward
+    forwards: int = 0
+    steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stopped: str = ""
+
+
+def default_memory_budget(device: torch.device) -> int:
+    """A fraction of the device memory free now (CUDA) or of the RAM available now (CPU)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_BUDGET_FRACTION)
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(available * CPU_BUDGET_FRACTION)
+
+
+def _seed_for(base: int, request_id: str) -> int:
+    digest = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
+    return (base * 7919 + digest) % 2**63
+
+
+class Engine:
+    """Continuous batching of requests over one model; see the module docstring."""
+
+    def __init__(self, model: CloverModel, options: DecodeOptions, *, max_slots: int | None = None,
+                 memory_budget_bytes: int | None = None, decode_steps_per_prefill: int = 1,
+                 prefill_tokens_per_step: int | None = None) -> None:
+        cfg = model.config
+        options.check(cfg)
+        if max_slots is not None and max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        if decode_steps_per_prefill < 0:
+            raise ValueError(f"decode_steps_per_prefill must be >= 0, got {decode_steps_per_prefill}")
+        self.model, self.options, self.config = model, options, cfg
+        self.window, self.chunk = options.window(cfg), options.chunk(cfg)
+        self.stops = frozenset(options.stops(cfg))
+        self.block_size = cfg.diffusion.block_size if cfg.diffusion is not None else 1
+        self.prefill_budget = prefill_tokens_per_step or self.chunk
+        if self.prefill_budget < 1:
+            raise ValueError(f"prefill_tokens_per_step must be >= 1, got {self.prefill_budget}")
+        self.decode_steps_per_prefill = decode_steps_per_prefill
+        max_forward = max(self.chunk, self.block_size)
+        self.slot_bytes: SlotBytes = slot_bytes(cfg, model.dtype, window=self.window, max_forward_tokens=max_forward)
+        self.memory_budget = (default_memory_budget(model.device) if memory_budget_bytes is None
+                              else memory_budget_bytes)
+        fit = self.memory_budget // self.slot_bytes.total
+        self.num_slots = int(min(max_slots or DEFAULT_MAX_SLOTS, fit))
+        self.slots: SlotState | None = None
+        dev = model.device
+        if self.num_slots >= 1:
+            self._allocate(max_forward)
+        self._positions = torch.arange(self.block_size, device=dev)
+        self._seed_base = options.seed if options.seed is not None else secrets.randbits(62)
+        self.waiting: deque[_Live] = deque()
+        self.prefilling: _Live | None = None
+        self.decoding: list[_Live] = []  # decoding[i] holds slot i
+        self.live: dict[str, _Live] = {}
+        self._order = 0
+        self._decodes_since_prefill = 0
+        self.stats = EngineStats()
+
+    @torch.inference_mode()
+    def _allocate(self, max_forward: int) -> None:
+        cfg, dev, S = self.config, self.model.device, self.num_slots
+        self.slots = SlotState(cfg, S, window=self.window, max_forward_tokens=max_forward, device=dev,
+                               dtype=self.model.dtype)
+        # next-token logits (autoregressive) or the last committed position's logits (logits_shift) per slot
+        self.logits = torch.zeros(S, cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.block = torch.zeros(S, self.block_size, dtype=torch.long, device=dev)  # diffusion blocks
+        self.limit = torch.zeros(S, dtype=torch.long, device=dev)  # block positions [0, limit) may be filled
+
+    # ---- public API -------------------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding)
+
+    @property
+    def active(self) -> int:
+        """Sequences holding a slot (prefilling or decoding)."""
+        return len(self.decoding) + (self.prefilling is not None)
+
+    def add(self, request: Request) -> None:
+        """Queue a request; it is admitted as soon as a slot is free. Callable at any time, also between steps."""
+        if self.slots is None:
+            b = self.slot_bytes
+            raise EngineCapacityError(
+                f"request {request.id!r}: one sequence slot needs {b.total / 2**20:.1f} MiB (GDN state "
+                f"{b.gdn / 2**20:.1f}, conv {b.conv / 2**20:.1f}, keys/values of a {self.window}-token window "
+                f"{b.kv / 2**20:.1f}, block {b.block / 2**20:.1f}), more than the engine's memory budget of "
+                f"{self.memory_budget / 2**20:.1f} MiB; lower window_tokens or give the engine more memory")
+        if request.id in self.live:
+            raise ValueError(f"request {request.id!r} is already in flight")
+        prompt = [int(t) for t in request.prompt_ids]
+        if not prompt:
+            raise ValueError(f"request {request.id!r}: the prompt is empty")
+        V = self.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"request {request.id!r}: token ids outside the vocabulary (size {V}): {bad[:5]}")
+        request = Request(request.id, prompt, request.seed)
+        self._order += 1
+        live = self._fresh(request, self._order)
+        self.live[request.id] = live
+        self.waiting.append(live)
+
+    @torch.inference_mode()
+    def cancel(self, request_id: str) -> bool:
+        """Drop a request wherever it is; its slot is freed at once. False if it is not in flight."""
+        live = self.live.pop(request_id, None)
+        if live is None:
+            return False
+        if live in self.waiting:
+            self.waiting.remove(live)
+        elif live is self.prefilling:
+            self.prefilling = None
+        else:
+            self._release([live])
+        return True
+
+    def in_flight(self) -> list[str]:
+        return list(self.live)
+
+    def restart(self) -> None:
+        """Drop all slot state and queue every request in flight again from its start, in arrival order (the
+        expert-parallel replica calls this after its workers were restarted: a broken step leaves no partial
+        state behind)."""
+        lives = sorted(self.live.values(), key=lambda lv: lv.order)
+        self.prefilling, self.decoding = None, []
+        self.waiting = deque(self._fresh(lv.req, lv.order) for lv in lives)
+        self.live = {lv.req.id: lv for lv in self.waiting}
+        self._decodes_since_prefill = 0
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[str, Generation]]:
+        """Run one prefill chunk or one decode step; returns the requests that finished in it."""
+        if self._wants_prefill():
+            self._prefill_step()
+            self._decodes_since_prefill = 0
+            return []
+        if self.decoding:
+            self._decodes_since_prefill += 1
+            return self._decode_step()
+        return []
+
+    # ---- bookkeeping ------------------------------------------------------------------------------------------
+    def _fresh(self, request: Request, order: int) -> _Live:
+        generator = None
+        if self.options.temperature > 0:
+            seed = request.seed if request.seed is not None else _seed_for(self._seed_base, request.id)
+            generator = torch.Generator(device=self.model.device).manual_seed(seed % 2**63)
+        n = len(request.prompt_ids)
+        target = n if self.config.diffusion is None else (n // self.block_size) * self.block_size
+        return _Live(request, order, generator, prefill_target=target)
+
+    def _wants_prefill(self) -> bool:
+        if self.prefilling is None and not (self.waiting and self.active < self.num_slots):
+            return False  # no prefill work: nothing started, and nothing that could start
+        return not self.decoding or self._decodes_since_prefill >= self.decode_steps_per_prefill
+
+    def _admit(self) -> _Live | None:
+        """The next waiting request into slot n (decoding slots are [0, n)), if one is free."""
+        if not self.waiting or self.active >= self.num_slots:
+            return None
+        live = self.waiting.popleft()
+        live.slot = len(self.decoding)
+        assert self.slots is not None
+        self.slots.reset(live.slot)
+        self.logits[live.slot].zero_()
+        self.stats.most_active = max(self.stats.most_active, self.active + 1)
+        return live
+
+    def _start_decoding(self, live: _Live) -> None:
+        dst = len(self.decoding)
+        if live.slot != dst:  # a decoding request finished while this one prefilled: close the gap
+            self._move(live.slot, dst, live.length)
+            live.slot = dst
+        self.decoding.append(live)
+        if self.config.diffusion is not None:
+            prompt, bs = live.req.prompt_ids, self.block_size
+            live.tail = len(prompt) - live.prefill_target
+            mask = self.config.diffusion.mask_token_id
+            self.block[dst] = torch.tensor(prompt[live.prefill_target:] + [mask] * (bs - live.tail))
+            self.limit[dst] = min(bs, live.tail + self.options.max_new_tokens)
+
+    def _move(self, src: int, dst: int, length: int) -> None:
+        assert self.slots is not None
+        self.slots.move(src, dst, length)
+        for t in (self.logits, self.block, self.limit):
+            t[dst] = t[src]
+        self.stats.moves += 1
+
+    def _release(self, lives: list[_Live]) -> None:
+        """Free the decoding slots of `lives`, moving the last decoding sequences into the gaps."""
+        for live in sorted(lives, key=lambda lv: lv.slot, reverse=True):
+            last = len(self.decoding) - 1
+            if live.slot != last:
+                moved = self.decoding[last]
+                self._move(last, live.slot, moved.length)
+                moved.slot = live.slot
+                self.decoding[live.slot] = moved
+            self.decoding.pop()
+            live.slot = -1
+
+    def _result(self, live: _Live) -> tuple[str, Generation]:
+        self.live.pop(live.req.id, None)
+        n = len(live.req.prompt_ids)
+        return live.req.id, Generation(
+            tokens=live.out, forward_passes=live.forwards, denoising_steps=live.steps, prompt_tokens=n,
+            prefill_seconds=live.prefill_s, decode_seconds=live.decode_s, windows=math.ceil(n / self.window),
+            stopped=live.stopped)
+
+    # ---- prefill ----------------------------------------------------------------------------------------------
+    def _prefill_step(self) -> None:
+        assert self.slots is not None
+        used = 0
+        keep = self.config.diffusion is None or self.config.diffusion.logits_shift  # last position's logits
+        attention = self.model.default_attention()
+        start = time.perf_counter()
+        while used < self.prefill_budget:
+            live = self.prefilling or self._admit()
+            if live is None:
+                break
+            self.prefilling = live
+            if live.length < live.prefill_target:
+                n = min(self.chunk, live.prefill_target - live.length)
+                piece = live.req.prompt_ids[live.length:live.length + n]
+                last = live.length + n == live.prefill_target
+                t0 = time.perf_counter()
+                ids = torch.tensor([piece], dtype=torch.long, device=self.model.device)
+                rows = self.slots.rows(live.slot, [live.length], n, None)
+                logits = self.model.forward_slots(ids, rows, attention=attention, keep_logits=1 if last and keep else 0)
+                if logits is not None:
+                    self.logits[live.slot] = logits[0, -1].float()
+                live.length += n
+                live.forwards += 1
+                live.prefill_s += time.perf_counter() - t0
+                used += n
+                self.stats.forwards += 1
+                self.stats.prefill_tokens += n
+            if live.length == live.prefill_target:
+                self.prefilling = None
+                self._start_decoding(live)
+        self.stats.prefill_steps += 1
+        self.stats.prefill_seconds += time.perf_counter() - start
+
+    # ---- decode -----------------------------------------------------------------------------------------------
+    def _decode_step(self) -> list[tuple[str, Generation]]:
+        start = time.perf_counter()
+        if self.config.diffusion is None:
+            finished = self._autoregressive_step()
+        else:
+            finished = self._diffusion_step()
+        dt = time.perf_counter() - start
+        self.stats.decode_steps += 1
+        self.stats.decode_seconds += dt
+        return finished
+
+    def _take_time(self, lives: list[_Live], start: float) -> None:
+        share = (time.perf_counter() - start) / max(1, len(lives))
+        for live in lives:
+            live.decode_s += share
+
+    def _autoregressive_step(self) -> list[tuple[str, Generation]]:
+        """Sample each row's next token from its saved logits; forward the rows that go on (commit)."""
+        assert self.slots is not None
+        start, rows_in_step = time.perf_counter(), list(self.decoding)
+        n, opt = len(self.decoding), self.options
+        generators = [lv.generator for lv in self.decoding]
+        tok, _ = pick_tokens(self.logits[:n, None], opt.temperature, opt.top_p, generators)
+        tokens = tok[:, 0].tolist()  # the step's one host sync
+        done = []
+        for live, t in zip(self.decoding, tokens, strict=True):
+            live.steps += 1
+            live.next_token = t
+            if t in self.stops:
+                live.stopped = "eos"
+            else:
+                live.out.append(t)
+                if len(live.out) >= opt.max_new_tokens:
+                    live.stopped = "length"
+            if live.stopped:
+                done.append(live)
+        self._release(done)
+        if self.decoding:
+            ids = torch.tensor([[lv.next_token] for lv in self.decoding], dtype=torch.long, device=self.model.device)
+            rows = self.slots.rows(0, [lv.length for lv in self.decoding], 1, None)
+            logits = self.model.forward_slots(ids, rows, attention="causal", keep_logits=1)
+            self.logits[:len(self.decoding)] = logits[:, -1].float()
+            for live in self.decoding:
+                live.length += 1
+                live.forwards += 1
+            self.stats.forwards += 1
+        self.stats.decode_rows += n
+        self._take_time(rows_in_step, start)
+        return [self._result(lv) for lv in done]
+
+    def _diffusion_step(self) -> list[tuple[str, Generation]]:
+        """One forward over all decoding rows: rows whose block finished last step commit it, the others take a
+        denoising step; the chosen tokens are filled in on the device, then read back once."""
+        assert self.slots is not None and self.config.diffusion is not None
+        d, opt = self.config.diffusion, self.options
+        start, lives = time.perf_counter(), list(self.decoding)
+        n, bs = len(lives), self.block_size
+        commit = [i for i, lv in enumerate(lives) if lv.commit_next]
+        denoise = [i for i, lv in enumerate(lives) if not lv.commit_next]
+        rows = self.slots.rows(0, [lv.length for lv in lives], bs, commit)
+        logits = self.model.forward_slots(self.block[:n], rows, attention="block_causal", keep_logits=None)
+        assert logits is not None
+        self.stats.forwards += 1
+        block, limit = self.block[:n], self.limit[:n]
+        dev = block.device
+        readback: list[list[int]] = []
+        if commit:
+            commit_idx = torch.tensor(commit, dtype=torch.long, device=dev)
+            if d.logits_shift:  # the next block's first position is predicted from this block's last
+                self.logits.index_copy_(0, commit_idx, logits.index_select(0, commit_idx)[:, -1].float())
+            # a fresh block of masks; how much of it may be filled is known on the host
+            block.index_fill_(0, commit_idx, d.mask_token_id)
+            room = [min(bs, opt.max_new_tokens - len(lives[i].out)) for i in commit]
+            limit.index_copy_(0, commit_idx, torch.tensor(room, dtype=torch.long, device=dev))
+        if denoise:
+            step_logits = logits.float()
+            if d.logits_shift:  # position t is predicted from t-1: the block's first from the last committed one
+                step_logits = torch.cat([self.logits[:n, None], step_logits[:, :-1]], dim=1)
+            step_logits[..., d.mask_token_id] = -math.inf  # never "predict" a mask
+            tok, conf = pick_tokens(step_logits, opt.temperature, opt.top_p, [lv.generator for lv in lives], denoise)
+            needed = (block == d.mask_token_id) & (self._positions < limit[:, None])
+            if commit:
+                needed[commit_idx] = False
+            chosen = select_block_positions(conf, needed, opt.threshold, opt.tokens_per_step)
+            block.copy_(torch.where(chosen, tok, block))
+            still = (block == d.mask_token_id) & (self._positions < limit[:, None])
+            readback = torch.cat([block, still.any(-1, keepdim=True).long()], dim=1).tolist()  # the one host sync
+        done: list[_Live] = []
+        for i, live in enumerate(lives):
+            live.forwards += 1
+            if live.commit_next:
+                live.commit_next = False
+                live.length += bs
+                live.tail = 0
+                continue
+            live.steps += 1
+            if readback[i][bs]:  # masks left to fill
+                continue
+            lim = min(bs, live.tail + opt.max_new_tokens - len(live.out))
+            new = readback[i][live.tail:lim]
+            cut = next((j for j, t in enumerate(new) if t in self.stops), None)
+            if cut is not None:
+                live.out.extend(new[:cut])
+                live.stopped = "eos"
+            else:
+                live.out.extend(new)
+                if len(live.out) >= opt.max_new_tokens:
+                    live.stopped = "length"
+            if live.stopped:
+                done.append(live)
+            else:
+                live.commit_next = True
+        self._release(done)
+        self.stats.decode_rows += n
+        self._take_time(lives, start)
+        return [self._result(lv) for lv in done]

@@ -1,0 +1,172 @@
+"""EngineLoop: one continuous-batching Engine kept busy by a thread of its own, fed from async Ray Data batches.
+
+    async batch coroutine --submit(prompt)--> inbox --> engine thread: add, step, step, ... --> future resolved
+
+Notable choices:
+- The engine is touched only by its thread, so it needs no lock: coroutines hand requests over through a queue and
+  await futures that the thread resolves on their event loop (`call_soon_threadsafe`). The thread drains the
+  inbox between steps, so documents of a new Ray batch join the running batch at the next step.
+- A step that fails with an ExpertParallelError means a worker rank died: `recover` restarts the workers and the
+  engine requeues everything in flight from the start (no partial state survives a broken step). When `recover`
+  gives up, every pending request fails with that error, so the stage fails the run: a broken replica must not
+  write error rows for good documents.
+- A step that fails with any other error cannot say which document caused it: the requests in flight are then run
+  again one at a time, so only the document that fails alone gets the error (the others still get results).
+- An EngineCapacityError (not even one slot fits) is a replica-level problem too: every request gets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from clover_batch.model import Engine, EngineCapacityError, Generation, Request
+from clover_batch.model.expert_parallel import ExpertParallelError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    request: Request
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+class EngineLoop:
+    """Runs `engine` in a daemon thread; `await submit(prompt_ids)` returns the prompt's Generation."""
+
+    def __init__(self, engine: Engine, *, recover: Callable[[], None] | None = None, max_recoveries: int = 2) -> None:
+        """recover: restarts a broken expert-parallel replica (raises ExpertParallelError when it cannot);
+        max_recoveries: how many times in a row, with no successful step between, before giving up."""
+        self.engine, self.recover, self.max_recoveries = engine, recover, max_recoveries
+        self._failures_in_a_row = 0
+        self._inbox: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
+        self._pending: dict[str, _Pending] = {}
+        self._ids = itertools.count()
+        self._fatal: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="clover-engine", daemon=True)
+        self._thread.start()
+
+    async def submit(self, prompt_ids: list[int], *, name: str = "request") -> Generation:
+        if self._fatal is not None:
+            raise self._fatal
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(_Pending(Request(f"{name}#{next(self._ids)}", list(prompt_ids)), future, loop))
+        return await future
+
+    # ---- the engine thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            self._take(block=not self.engine.has_work)
+            try:
+                finished = self.engine.step()
+            except ExpertParallelError as e:
+                self._replica_failed(e)
+                continue
+            except Exception as e:  # one document's failure must not take the others with it
+                log.warning("engine step failed (%s: %s); running the %d requests in flight one at a time",
+                            type(e).__name__, e, len(self.engine.in_flight()))
+                self._isolate()
+                continue
+            self._failures_in_a_row = 0
+            self._resolve(finished)
+
+    def _take(self, *, block: bool) -> None:
+        """Move submitted requests into the engine (waiting for one when the engine is idle)."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            self._add(item)
+
+    def _add(self, item: _Pending) -> None:
+        if self._fatal is not None:
+            self._finish(item, error=self._fatal)
+            return
+        try:
+            self.engine.add(item.request)
+        except EngineCapacityError as e:
+            self._fail_all(e)
+            self._finish(item, error=e)
+        except ValueError as e:  # a prompt the engine refuses (empty, ids outside the vocabulary)
+            self._finish(item, error=e)
+        else:
+            self._pending[item.request.id] = item
+
+    def _resolve(self, finished: list[tuple[str, Generation]]) -> None:
+        for request_id, gen in finished:
+            item = self._pending.pop(request_id, None)
+            if item is not None:
+                self._finish(item, result=gen)
+
+    def _replica_failed(self, error: ExpertParallelError) -> None:
+        self._failures_in_a_row += 1
+        if self.recover is not None and self._failures_in_a_row <= self.max_recoveries:
+            log.warning("expert-parallel replica failed (%s); restarting it and rerunning %d requests", error,
+                        len(self.engine.in_flight()))
+            try:
+                self.recover()
+            except ExpertParallelError as e:
+                error = e
+            else:
+                self.engine.restart()
+                return
+        elif self.recover is not None:
+            error = ExpertParallelError(f"{error}; gave up after {self.max_recoveries} restarts in a row")
+        self._fail_all(error)
+
+    def _isolate(self) -> None:
+        """Rerun every request in flight alone; a request that fails alone gets its error."""
+        suspects = [self._pending[i] for i in self.engine.in_flight() if i in self._pending]
+        for item in suspects:
+            self.engine.cancel(item.request.id)
+        self.engine.restart()  # clears whatever state the failed step left behind
+        for i, item in enumerate(suspects):
+            try:
+                self.engine.add(item.request)
+                result: dict[str, Generation] = {}
+                while self.engine.has_work:
+                    result.update(self.engine.step())
+            except ExpertParallelError as e:
+                for rest in suspects[i + 1:]:  # back in the engine: they run together once the replica is back
+                    self.engine.add(rest.request)
+                self._replica_failed(e)
+                return
+            except Exception as e:  # this document fails alone: its error is its own
+                log.warning("request %s failed alone: %s: %s", item.request.id, type(e).__name__, e)
+                self.engine.cancel(item.request.id)
+                self.engine.restart()
+                self._pending.pop(item.request.id, None)
+                self._finish(item, error=e)
+                continue
+            self._resolve(list(result.items()))
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._fatal = error
+        for request_id in self.engine.in_flight():
+            self.engine.cancel(request_id)
+        for item in list(self._pending.values()):
+            self._finish(item, error=error)
+        self._pending.clear()
+
+    @staticmethod
+    def _finish(item: _Pending, *, result: Any = None, error: BaseException | None = None) -> None:
+        def settle() -> None:
+            if item.future.done():
+                return
+            if error is not None:
+                item.future.set_exception(error)
+            else:
+                item.future.set_result(result)
+
+        item.loop.call_soon_threadsafe(settle)
