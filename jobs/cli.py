@@ -133,7 +133,7 @@ def _print_report(report: dict) -> None:
     console.print(
         f"{report['wall_seconds']:.1f} s wall, {report['documents_per_second']:.2f} documents/s, "
         f"{report['output_tokens']} output tokens ({report['output_tokens_per_second']:.1f} tokens/s), "
-        f"{report['output_rows']} rows in the output"
+        f"{report['output_rows']} rows in the output; up to {report['max_decode_batch']} documents decoded together"
     )
 
 

@@ -186,7 +186,7 @@ def _run_locked(spec: JobSpec, opts: PipelineOptions, run_id: str, address: str 
         if on_progress:
             on_progress(progress)
         totals: dict[str, float] = dict.fromkeys((*STAGES, "write"), 0.0)
-        tokens_in = tokens_out = 0
+        tokens_in = tokens_out = decode_batch = 0
         if pending:
             for batch in build_pipeline(pending, opts).iter_batches(batch_size=None, batch_format="pyarrow"):
                 for row in batch.to_pylist():
@@ -194,6 +194,7 @@ def _run_locked(spec: JobSpec, opts: PipelineOptions, run_id: str, address: str 
                     progress.by_status[row["status"]] += 1
                     tokens_in += row["input_tokens"] or 0
                     tokens_out += row["output_tokens"] or 0
+                    decode_batch = max(decode_batch, row["decode_batch"] or 0)
                     for stage, seconds in (row["timings"] or {}).items():
                         totals[stage] += seconds or 0.0
                     totals["write"] += row["write_seconds"] or 0.0
@@ -220,6 +221,7 @@ def _run_locked(spec: JobSpec, opts: PipelineOptions, run_id: str, address: str 
             "wall_seconds": wall,
             "documents_per_second": progress.done / wall if wall > 0 else 0.0,
             "output_tokens_per_second": tokens_out / wall if wall > 0 else 0.0,
+            "max_decode_batch": decode_batch,  # most documents one replica decoded together
             "stage_seconds": totals,
             "job": spec.model_dump(
                 mode="json",

@@ -56,6 +56,7 @@ class Request:
     id: str  # unique among the requests in flight
     prompt_ids: list[int]
     seed: int | None = None  # sampling stream; None: derived from the options' seed and the id
+    max_new_tokens: int | None = None  # this request's budget; None: the options'
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Generation:
     decode_seconds: float  # its share of every decode step it took part in (step time / rows in the step)
     windows: int  # ceil(prompt_tokens / window_tokens): attention windows the prompt spans
     stopped: str  # "eos" (a stop token was generated) or "length" (max_new_tokens reached)
+    decode_batch: int = 1  # the most sequences in any decode step this one took part in
 
 
 @dataclass
@@ -95,6 +97,7 @@ class _Live:
     order: int  # admission order (first come, first served; also the order after a restart)
     generator: torch.Generator | None
     prefill_target: int  # prompt tokens prefill commits (diffusion: up to the last whole block)
+    max_new: int  # most tokens to generate
     slot: int = -1
     length: int = 0  # committed tokens (== the slot's position)
     out: list[int] = field(default_factory=list)
@@ -106,6 +109,7 @@ class _Live:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     stopped: str = ""
+    decode_batch: int = 0
 
 
 def default_memory_budget(device: torch.device) -> int:
@@ -209,7 +213,9 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < V]
         if bad:
             raise ValueError(f"request {request.id!r}: token ids outside the vocabulary (size {V}): {bad[:5]}")
-        request = Request(request.id, prompt, request.seed)
+        if request.max_new_tokens is not None and request.max_new_tokens < 1:
+            raise ValueError(f"request {request.id!r}: max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        request = Request(request.id, prompt, request.seed, request.max_new_tokens)
         self._order += 1
         live = self._fresh(request, self._order)
         self.live[request.id] = live
@@ -262,7 +268,8 @@ class Engine:
             generator = torch.Generator(device=self.model.device).manual_seed(seed % 2**63)
         n = len(request.prompt_ids)
         target = n if self.config.diffusion is None else (n // self.block_size) * self.block_size
-        return _Live(request, order, generator, prefill_target=target)
+        return _Live(request, order, generator, prefill_target=target,
+                     max_new=request.max_new_tokens or self.options.max_new_tokens)
 
     def _wants_prefill(self) -> bool:
         if self.prefilling is None and not (self.waiting and self.active < self.num_slots):
@@ -292,7 +299,7 @@ class Engine:
             live.tail = len(prompt) - live.prefill_target
             mask = self.config.diffusion.mask_token_id
             self.block[dst] = torch.tensor(prompt[live.prefill_target:] + [mask] * (bs - live.tail))
-            self.limit[dst] = min(bs, live.tail + self.options.max_new_tokens)
+            self.limit[dst] = min(bs, live.tail + live.max_new)
 
     def _move(self, src: int, dst: int, length: int) -> None:
         assert self.slots is not None
@@ -319,7 +326,7 @@ class Engine:
         return live.req.id, Generation(
             tokens=live.out, forward_passes=live.forwards, denoising_steps=live.steps, prompt_tokens=n,
             prefill_seconds=live.prefill_s, decode_seconds=live.decode_s, windows=math.ceil(n / self.window),
-            stopped=live.stopped)
+            stopped=live.stopped, decode_batch=live.decode_batch)
 
     # ---- prefill ----------------------------------------------------------------------------------------------
     def _prefill_step(self) -> None:
@@ -371,6 +378,7 @@ class Engine:
         share = (time.perf_counter() - start) / max(1, len(lives))
         for live in lives:
             live.decode_s += share
+            live.decode_batch = max(live.decode_batch, len(lives))
 
     def _autoregressive_step(self) -> list[tuple[str, Generation]]:
         """Sample each row's next token from its saved logits; forward the rows that go on (commit)."""
@@ -388,7 +396,7 @@ class Engine:
                 live.stopped = "eos"
             else:
                 live.out.append(t)
-                if len(live.out) >= opt.max_new_tokens:
+                if len(live.out) >= live.max_new:
                     live.stopped = "length"
             if live.stopped:
                 done.append(live)
@@ -428,7 +436,7 @@ class Engine:
                 self.logits.index_copy_(0, commit_idx, logits.index_select(0, commit_idx)[:, -1].float())
             # a fresh block of masks; how much of it may be filled is known on the host
             block.index_fill_(0, commit_idx, d.mask_token_id)
-            room = [min(bs, opt.max_new_tokens - len(lives[i].out)) for i in commit]
+            room = [min(bs, lives[i].max_new - len(lives[i].out)) for i in commit]
             limit.index_copy_(0, commit_idx, torch.tensor(room, dtype=torch.long, device=dev))
         if denoise:
             step_logits = logits.float()
@@ -454,7 +462,7 @@ class Engine:
             live.steps += 1
             if readback[i][bs]:  # masks left to fill
                 continue
-            lim = min(bs, live.tail + opt.max_new_tokens - len(live.out))
+            lim = min(bs, live.tail + live.max_new - len(live.out))
             new = readback[i][live.tail:lim]
             cut = next((j for j, t in enumerate(new) if t in self.stops), None)
             if cut is not None:
@@ -462,7 +470,7 @@ class Engine:
                 live.stopped = "eos"
             else:
                 live.out.extend(new)
-                if len(live.out) >= opt.max_new_tokens:
+                if len(live.out) >= live.max_new:
                     live.stopped = "length"
             if live.stopped:
                 done.append(live)

@@ -53,6 +53,7 @@ WORK_SCHEMA = pa.schema(
         pa.field("text", pa.large_string()),  # parsed text, parse -> tokenize
         pa.field("prompt_ids", pa.list_(pa.int32())),  # tokenize -> infer
         pa.field("output_ids", pa.list_(pa.int32())),  # infer -> postprocess
+        pa.field("decode_batch", pa.int32()),  # infer -> stats: most documents decoded together with this one
     ]
 )
 
@@ -63,6 +64,7 @@ STATS_SCHEMA = pa.schema(
         ("input_tokens", pa.int64()),
         ("output_tokens", pa.int64()),
         ("timings", TIMINGS_TYPE),
+        ("decode_batch", pa.int32()),
         ("part_uri", pa.string()),
         ("write_seconds", pa.float64()),
     ]

@@ -223,6 +223,7 @@ class InferStage:
                     forward_passes=gen.forward_passes,
                     denoising_steps=gen.denoising_steps,
                     stopped=gen.stopped,
+                    decode_batch=gen.decode_batch,
                 )
             fault_point("inference")
         yield to_table(rows)

@@ -203,3 +203,48 @@ def test_bad_prompts_are_clear_errors(tiny):
         generate(tiny, [[]])
     with pytest.raises(ValueError, match="prompts is empty"):
         generate(tiny, [])
+
+
+@pytest.mark.parametrize("k", [None, 1, 3, 8], ids=["threshold", "k1", "k3", "k8"])
+def test_batched_selection_equals_the_per_sequence_reference(k):
+    """select_block_positions over a batch == select_positions row by row, ties included (stable by position)."""
+    from clover_batch.model.sampling import select_block_positions
+
+    gen = torch.Generator().manual_seed(0)
+    conf = torch.rand(64, 8, generator=gen)
+    conf[::3, 2:5] = 0.5  # ties
+    conf[1] = 0.01  # nothing passes the threshold: top-1 fallback
+    needed = torch.rand(64, 8, generator=gen) < 0.6
+    needed[5] = False  # a row with nothing to fill
+    batched = select_block_positions(conf, needed, 0.6, k)
+    for r in range(64):
+        assert batched[r].tolist() == select_positions(conf[r], needed[r], 0.6, k).tolist(), r
+
+
+def test_batched_pick_equals_per_sequence_sampling():
+    from clover_batch.model.sampling import pick_tokens, sample_tokens
+
+    logits = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(1))
+    tok, conf = pick_tokens(logits, 0.0, 1.0)
+    for r in range(3):
+        ref_tok, ref_conf = sample_tokens(token_distribution(logits[r], 0.0, 1.0), 0.0, None)
+        assert tok[r].tolist() == ref_tok.tolist() and torch.equal(conf[r], ref_conf)
+    gens = [torch.Generator().manual_seed(s) for s in (5, 6, 7)]
+    tok, conf = pick_tokens(logits, 0.8, 0.9, gens, rows=[0, 2])
+    for r, seed in ((0, 5), (2, 7)):
+        ref_tok, _ = sample_tokens(token_distribution(logits[r], 0.8, 0.9), 0.8, torch.Generator().manual_seed(seed))
+        assert tok[r].tolist() == ref_tok.tolist()
+    assert tok[1].tolist() == [0] * 5 and torch.equal(gens[1].get_state(), torch.Generator().manual_seed(6).get_state())
+
+
+def test_per_request_token_budget(tiny):
+    from clover_batch.model import DecodeOptions, Engine, Request
+
+    engine = Engine(tiny, DecodeOptions(max_new_tokens=20, tokens_per_step=2), max_slots=2)
+    engine.add(Request("short", PROMPTS[0], max_new_tokens=5))
+    engine.add(Request("default", PROMPTS[1]))
+    results = {}
+    while engine.has_work:
+        results.update(engine.step())
+    assert results["short"].tokens == generate(tiny, [PROMPTS[0]], max_new_tokens=5, tokens_per_step=2)[0].tokens
+    assert len(results["default"].tokens) == 20

@@ -118,3 +118,47 @@ def test_cli_validate_good_job_with_set(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert '"replicas": 2' in result.output
+
+
+def test_decode_section_is_the_engines_decode_options():
+    """The job's decode section is built from DecodeOptions itself: same fields, defaults and bounds, and it gives
+    the typed object the engine takes."""
+    import dataclasses
+
+    from clover_batch.jobs.spec import DecodeSpec
+    from clover_batch.model import DecodeOptions
+
+    fields = {f.name: f.default for f in dataclasses.fields(DecodeOptions)}
+    assert {name: info.default for name, info in DecodeSpec.model_fields.items()} == fields
+    spec = parse_job({**MINIMAL, "decode": {"tokens_per_step": 4, "stop_token_ids": [5, 6], "temperature": 1}})
+    options = spec.decode.options()
+    assert options == DecodeOptions(tokens_per_step=4, stop_token_ids=(5, 6), temperature=1.0)
+    assert _problems({**MINIMAL, "decode": {"top_p": 0}}) == ["decode.top_p: Input should be greater than 0"]
+    assert _problems({**MINIMAL, "decode": {"tokens_per_stp": 4}}) == ["decode.tokens_per_stp: Extra inputs are not "
+                                                                       "permitted"]
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(threshold=1.5), "threshold must be <= 1, got 1.5"),
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
+    (dict(max_new_tokens=True), "max_new_tokens must be an integer, got True"),
+    (dict(temperature="hot"), "temperature must be a number, got 'hot'"),
+    (dict(stop_token_ids=[1, "x"]), "stop_token_ids must be a list of integers"),
+    (dict(window_tokens=0), "window_tokens must be >= 1, got 0"),
+], ids=["threshold", "max-new-tokens", "bool-for-int", "str-for-float", "stop-ids", "window"])
+def test_decode_options_fail_where_they_are_written(options, message):
+    from clover_batch.model import DecodeOptions
+
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        DecodeOptions(**options)
+
+
+def test_decode_options_that_do_not_fit_the_model_fail_before_any_work(tmp_path):
+    from clover_batch.jobs.runner import run
+
+    spec = parse_job({**MINIMAL, "input": {"uri": str(tmp_path)}, "output": {"uri": str(tmp_path / "out")},
+                      "decode": {"tokens_per_step": 9}})
+    message = r"decode: tokens_per_step must be in \[1, block_size=8\], got 9 \(model tiny\)"
+    with pytest.raises(ValueError, match=message):
+        run(spec)
+    assert not (tmp_path / "out").exists()

@@ -151,3 +151,26 @@ def test_replica_bigger_than_the_cluster_is_a_clear_error(ray_session, tmp_path)
     with pytest.raises(ValueError, match=r"resources: 1 GPU per replica, the cluster has 0"):
         run(spec)
     assert read_output(Location(str(tmp_path / "out"))) is None
+
+
+def test_ray_batches_feed_one_engine_per_replica(ray_session, tmp_path):
+    """Ten documents in Ray batches of two (five batches) on one replica: the engine decodes documents of several
+    batches together (more at once than batch_size), and every answer equals the engine run on that document
+    alone."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(10):
+        (docs / f"memo-{i}.txt").write_text(f"Memo {i}: " + " ".join(["budget", "review", "notice"][j % 3]
+                                                                      for j in range(5 + 9 * i)))
+    decode = {"max_new_tokens": 16, "tokens_per_step": 1}
+    spec = parse_job(job_raw(str(docs), str(tmp_path / "out"), decode=decode,
+                             resources={"batch_size": 2, "max_slots": 8}))
+    report = run(spec).report
+    assert report["by_status"] == {"ok": 10}
+    assert report["max_decode_batch"] > 2
+    model, builder = load_model("tiny"), PromptBuilder("tiny")
+    for row in read_output(Location(str(tmp_path / "out"))).to_pylist():
+        ids = builder.build("Summarize.", (docs / os.path.basename(row["source_uri"])).read_text())
+        (alone,) = generate(model, [ids], **decode)
+        assert row["output_text"] == builder.decode(alone.tokens), row["source_uri"]
+        assert row["denoising_steps"] == alone.denoising_steps

@@ -1,0 +1,223 @@
+"""The continuous-batching engine, side by side in one run (bench preset, fp32, stop tokens off).
+
+    python bench/engine.py --threads 2                 # everything below
+    python bench/engine.py --parts mixed --requests 24 # a quicker look
+
+Parts:
+- mixed: N requests, prompt lengths log-uniform in [64, 4096], max_new_tokens uniform in [16, 256]: total tokens/s
+  and requests/s of (a) static batches of 4 through the same engine (add 4, run to empty, repeat) and (b)
+  continuous batching with 16 slots, for each scheduling policy (decode steps per prefill step: 0 = prefill
+  whenever possible, 1 = alternate, 4); outputs checked token-identical across all of them.
+- ar16: autoregressive decode at 16 active sequences, ours vs transformers' generate at batch 16 on the same weights
+  (greedy outputs checked identical first). Decode time = run(n tokens) - run(1 token), as bench/decode.py.
+- steps: decode step time with 1K vs 16K committed tokens per slot (8 slots, window 32K, diffusion k=4), and the
+  share of the step spent copying state: every aten op that copies from or into the slot buffers (clone, copy_,
+  index_copy_, scatter_, cat, index_select, ...) is timed inside the step, against the step's plain wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import random
+import tempfile
+import time
+
+import torch
+from clover_batch.model import DecodeOptions, Engine, Request, generate, load_model, save_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+log = logging.getLogger("bench.engine")
+
+
+def mixed_corpus(n: int, seed: int, lo: int = 64, hi: int = 4096) -> list[Request]:
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        length = int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+        prompt = [rng.randrange(256) for _ in range(length)]
+        reqs.append(Request(f"r{i}", prompt, max_new_tokens=rng.randint(16, 256)))
+    return reqs
+
+
+def drain(engine: Engine) -> dict:
+    out = {}
+    while engine.has_work:
+        out.update(engine.step())
+    return out
+
+
+def run_static(model, options: DecodeOptions, reqs: list[Request], batch: int) -> tuple[float, dict, Engine]:
+    engine = Engine(model, options, max_slots=batch)
+    start, out = time.perf_counter(), {}
+    for i in range(0, len(reqs), batch):
+        for r in reqs[i:i + batch]:
+            engine.add(r)
+        out.update(drain(engine))
+    return time.perf_counter() - start, out, engine
+
+
+def run_continuous(model, options: DecodeOptions, reqs: list[Request], slots: int,
+                   per_prefill: int) -> tuple[float, dict, Engine]:
+    engine = Engine(model, options, max_slots=slots, decode_steps_per_prefill=per_prefill)
+    start = time.perf_counter()
+    for r in reqs:
+        engine.add(r)
+    out = drain(engine)
+    return time.perf_counter() - start, out, engine
+
+
+def part_mixed(args) -> list[str]:
+    reqs = mixed_corpus(args.requests, seed=0)
+    prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
+    lines = [f"mixed corpus: {len(reqs)} requests, {prompt_tokens} prompt tokens, "
+             f"{sum(r.max_new_tokens for r in reqs)} new tokens; {args.preset} preset"]
+    for label, preset, options in (("autoregressive", f"{args.preset}-ar", DecodeOptions(stop_token_ids=())),
+                                   ("diffusion k=4", args.preset, DecodeOptions(tokens_per_step=4,
+                                                                                stop_token_ids=()))):
+        if label.split()[0] not in args.mixed_modes:
+            continue
+        model = load_model(preset, seed=0)
+        runs = [("static batches of 4", *run_static(model, options, reqs, 4))]
+        for per_prefill in args.policies:
+            runs.append((f"continuous 16 slots, {per_prefill} decode/prefill",
+                         *run_continuous(model, options, reqs, 16, per_prefill)))
+        base_seconds, base_out, _ = runs[0][1:]
+        lines.append(f"  {label}:")
+        lines.append(f"  {'schedule':40} {'seconds':>8} {'tokens/s':>9} {'req/s':>7} {'vs static':>9} "
+                     f"{'decode rows/step':>16} {'identical':>9}")
+        for name, seconds, out, engine in runs:
+            tokens = prompt_tokens + sum(len(g.tokens) for g in out.values())
+            same = all(out[k].tokens == base_out[k].tokens for k in base_out)
+            rows = engine.stats.decode_rows / max(1, engine.stats.decode_steps)
+            lines.append(f"  {name:40} {seconds:8.1f} {tokens / seconds:9.1f} {len(out) / seconds:7.3f} "
+                         f"{base_seconds / seconds:8.2f}x {rows:16.1f} {'yes' if same else 'NO':>9}")
+            log.info("%s %s: %.1f s", label, name, seconds)
+    return lines
+
+
+def part_ar16(args) -> list[str]:
+    from transformers import Qwen3_5MoeForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    ours = load_model(f"{args.preset}-ar", seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(ours, tmp)
+        theirs = Qwen3_5MoeForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, 256, (16, 256), generator=gen).tolist()
+    ids = torch.tensor(prompts)
+
+    def run_ours(n: int):
+        return generate(ours, prompts, max_new_tokens=n, stop_token_ids=[])
+
+    def run_theirs(n: int):
+        with torch.no_grad():
+            return theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                   do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    check = run_theirs(16)[:, 256:].tolist()
+    if [g.tokens for g in run_ours(16)] != check:
+        raise SystemExit("greedy autoregressive output differs from transformers' generate at batch 16")
+    N = args.new_tokens
+
+    def decode_seconds(run) -> float:
+        run(1)  # warm-up
+        best = {n: min(_timed(lambda n=n: run(n)) for _ in range(args.reps)) for n in (N, 1)}
+        return best[N] - best[1]
+
+    ours_s, theirs_s = decode_seconds(run_ours), decode_seconds(run_theirs)
+    rate = lambda s: 16 * (N - 1) / s  # noqa: E731
+    return [f"autoregressive decode at 16 sequences (prompt 256, {N} new tokens; greedy outputs identical):",
+            f"  ours {rate(ours_s):.1f} tokens/s, transformers generate {rate(theirs_s):.1f} tokens/s: "
+            f"{theirs_s / ours_s:.2f}x"]
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+COPY_OPS = {"clone", "copy_", "index_copy_", "index_copy", "scatter_", "scatter", "cat", "index_select", "index",
+            "gather", "index_put_", "_to_copy", "contiguous", "repeat_interleave", "expand_copy"}
+
+
+class CopyTimer(TorchDispatchMode):
+    """Times every copying aten op that reads or writes one of the watched storages."""
+
+    def __init__(self, storages: set[int]):
+        super().__init__()
+        self.storages, self.seconds, self.calls = storages, 0.0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        watched = name in COPY_OPS and any(
+            isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.storages
+            for a in tree_flatten((args, kwargs or {}))[0])
+        if not watched:
+            return func(*args, **(kwargs or {}))
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.seconds += time.perf_counter() - start
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return out
+
+
+def part_steps(args) -> list[str]:
+    model = load_model(args.preset, seed=0)
+    lines = ["diffusion decode step (k=4, block 32), 8 slots, window 32768:",
+             f"  {'committed/slot':>14} {'step ms':>8} {'copy ms':>8} {'copy share':>10}  copying ops"]
+    for committed in args.step_lengths:
+        options = DecodeOptions(tokens_per_step=4, stop_token_ids=(), window_tokens=32768, max_new_tokens=256)
+        engine = Engine(model, options, max_slots=8, decode_steps_per_prefill=0)
+        gen = torch.Generator().manual_seed(committed)
+        for i in range(8):
+            engine.add(Request(f"s{i}", torch.randint(0, 256, (committed,), generator=gen).tolist()))
+        while engine.prefilling or engine.waiting:
+            engine.step()
+        engine.step()  # first decode step (warm-up)
+        times = [_timed(engine.step) for _ in range(args.steps)]
+        step_s = sorted(times)[len(times) // 2]
+        storages = {t.untyped_storage().data_ptr() for t in engine.slots.buffers()}
+        storages |= {t.untyped_storage().data_ptr() for t in (engine.logits, engine.block, engine.limit)}
+        timer = CopyTimer(storages)
+        with timer:
+            for _ in range(args.steps):
+                engine.step()
+        copy_s = timer.seconds / args.steps
+        ops = ", ".join(f"{k} x{v // args.steps}" for k, v in sorted(timer.calls.items()))
+        lines.append(f"  {committed:14d} {step_s * 1e3:8.1f} {copy_s * 1e3:8.2f} {copy_s / step_s:9.1%}  {ops}")
+        log.info("steps at %d: %.1f ms", committed, step_s * 1e3)
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="bench", help="diffusion preset; PRESET-ar is its autoregressive twin")
+    ap.add_argument("--parts", nargs="+", default=["mixed", "ar16", "steps"])
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--mixed-modes", nargs="+", default=["autoregressive", "diffusion"])
+    ap.add_argument("--policies", type=int, nargs="+", default=[0, 1, 4], help="decode steps per prefill step")
+    ap.add_argument("--new-tokens", type=int, default=64, help="ar16: tokens per sequence")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--step-lengths", type=int, nargs="+", default=[1024, 16384])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(args.threads)
+    log.info("torch %s, %d threads, load average %s", torch.__version__, torch.get_num_threads(),
+             " ".join(f"{x:.1f}" for x in os.getloadavg()))
+    lines = []
+    for part in args.parts:
+        lines += [*{"mixed": part_mixed, "ar16": part_ar16, "steps": part_steps}[part](args), ""]
+    print("\n".join(lines))  # the report is this script's output
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""The continuous-batching engine: requests joining and leaving a running batch give exactly what each gets alone;
+slots are reused clean, bounded by the memory budget, and written in place."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from clover_batch.model import DecodeOptions, Engine, EngineCapacityError, Request, generate, load_model
+from clover_batch.model.generate import generate_nocache, prompt_seed
+from clover_batch.model.slots import slot_bytes
+from clover_batch.pipeline.serving import EngineLoop
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# lengths: a long prompt (many 16-token prefill chunks, far past the 24-token window), block-unaligned ones, one
+# shorter than a block (no prefill at all) and one exactly a block
+PROMPTS = {"long": _prompt(150, 1), "a": _prompt(25, 2), "b": _prompt(3, 3), "c": _prompt(40, 4), "d": _prompt(9, 5),
+           "e": _prompt(8, 6)}
+SMALL_WINDOW = dict(window_tokens=24, prefill_chunk_tokens=16)
+MODES = {
+    "threshold": ("tiny", DecodeOptions(max_new_tokens=21, threshold=0.0025, **SMALL_WINDOW)),
+    "fixed-k3": ("tiny", DecodeOptions(max_new_tokens=21, tokens_per_step=3, **SMALL_WINDOW)),
+    "autoregressive": ("tiny-ar", DecodeOptions(max_new_tokens=13, **SMALL_WINDOW)),
+    "sampling": ("tiny", DecodeOptions(max_new_tokens=11, threshold=0.5, temperature=0.9, top_p=0.95, seed=7,
+                                       **SMALL_WINDOW)),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"tiny": load_model("tiny"), "tiny-ar": load_model("tiny-ar")}
+
+
+def _alone(model, options, prompt):
+    return generate(model, [prompt], options)[0]
+
+
+def _request(name: str, options: DecodeOptions) -> Request:
+    # the seed generate() gives a lone prompt, so sampled outputs are comparable too
+    return Request(name, PROMPTS[name], seed=prompt_seed(options.seed or 0, 0))
+
+
+def _run(engine: Engine, schedule: dict[int, list[str]], options: DecodeOptions, checks=None) -> dict:
+    """Step the engine, adding the scheduled requests before step k; returns id -> Generation."""
+    results, k = {}, 0
+    while engine.has_work or any(step >= k for step in schedule):
+        for name in schedule.get(k, []):
+            if checks and name in checks:
+                checks[name](engine)
+            engine.add(_request(name, options))
+        results.update(engine.step())
+        k += 1
+    return results
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODES)
+def test_staggered_arrivals_equal_each_prompt_alone(models, mode):
+    name, options = MODES[mode]
+    model = models[name]
+    expected = {k: _alone(model, options, p) for k, p in PROMPTS.items()}
+    seen = {}
+
+    def long_is_prefilling(engine):  # "c" arrives while the long prompt is still prefilling, others decoding
+        seen["prefilling"] = engine.prefilling is not None and engine.prefilling.req.id == "long"
+        seen["decoding"] = len(engine.decoding)
+
+    def mid_block(engine):  # "long" arrives while a decoding sequence is inside a block
+        seen["mid"] = any(lv.steps > 0 and not lv.commit_next for lv in engine.decoding)
+
+    engine = Engine(model, options, max_slots=4)
+    results = _run(engine, {0: ["a", "b"], 4: ["long"], 7: ["c"], 12: ["d", "e"]}, options,
+                   checks={"c": long_is_prefilling, "long": mid_block})
+    assert seen == {"prefilling": True, "decoding": 2, "mid": True}
+    for key, gen in results.items():
+        assert gen.tokens == expected[key].tokens, key
+        assert gen.denoising_steps == expected[key].denoising_steps, key
+        assert gen.stopped == expected[key].stopped
+    assert set(results) == set(PROMPTS)
+
+
+def test_engine_equals_the_nocache_reference_with_a_small_window(models):
+    _, options = MODES["fixed-k3"]
+    engine = Engine(models["tiny"], options, max_slots=3)
+    results = _run(engine, {0: ["long", "a", "c"], 3: ["d"]}, options)
+    for key, gen in results.items():
+        assert gen.tokens == generate_nocache(models["tiny"], PROMPTS[key], options).tokens, key
+
+
+def test_more_requests_than_slots_reuse_slots_cleanly(models):
+    _, options = MODES["threshold"]
+    model = models["tiny"]
+    engine = Engine(model, options, max_slots=2)
+    names = ["long", "a", "b", "c", "d", "e"]
+    results = _run(engine, {0: names}, options)
+    assert engine.stats.most_active == 2
+    for key in names:
+        assert results[key].tokens == _alone(model, options, PROMPTS[key]).tokens, key
+    # a slot that held the long prompt (its ring wrapped around) carries nothing into the next occupant
+    again = _run(engine, {0: ["d"]}, options)["d"]
+    fresh = _run(Engine(model, options, max_slots=2), {0: ["d"]}, options)["d"]
+    assert again.tokens == fresh.tokens and again.denoising_steps == fresh.denoising_steps
+
+
+def test_cancel_frees_the_slot_and_leaves_the_others_alone(models):
+    _, options = MODES["fixed-k3"]
+    model = models["tiny"]
+    engine = Engine(model, options, max_slots=2)
+    engine.add(_request("a", options))
+    engine.add(_request("c", options))
+    engine.add(_request("d", options))  # waits: two slots
+    results = {}
+    for _ in range(4):
+        results.update(engine.step())
+    assert engine.active == 2 and [lv.req.id for lv in engine.waiting] == ["d"]
+    assert engine.cancel("a") and not engine.cancel("a")
+    assert engine.active == 1
+    while engine.has_work:
+        results.update(engine.step())
+    assert set(results) == {"c", "d"}
+    for key in ("c", "d"):
+        assert results[key].tokens == _alone(model, options, PROMPTS[key]).tokens
+    with pytest.raises(ValueError, match="already in flight"):
+        engine.add(_request("b", options))
+        engine.add(_request("b", options))
+
+
+def test_restart_reruns_everything_in_flight_from_the_start(models):
+    _, options = MODES["threshold"]
+    model = models["tiny"]
+    engine = Engine(model, options, max_slots=3)
+    for key in ("long", "a", "c"):
+        engine.add(_request(key, options))
+    for _ in range(6):
+        assert not engine.step()
+    engine.restart()  # what the expert-parallel loop does after a worker died mid-step
+    assert engine.active == 0 and len(engine.waiting) == 3
+    results = _run(engine, {}, options)
+    for key in ("long", "a", "c"):
+        assert results[key].tokens == _alone(model, options, PROMPTS[key]).tokens
+
+
+def test_memory_budget_bounds_the_active_slots(models):
+    _, options = MODES["threshold"]
+    model = models["tiny"]
+    per_slot = slot_bytes(model.config, model.dtype, window=24, max_forward_tokens=16).total
+    engine = Engine(model, options, memory_budget_bytes=3 * per_slot + per_slot // 2)
+    assert engine.num_slots == 3
+    for key in PROMPTS:
+        engine.add(_request(key, options))
+    while engine.has_work:
+        engine.step()
+        assert engine.active <= 3
+    assert engine.stats.most_active == 3
+    assert Engine(model, options, memory_budget_bytes=10 * per_slot, max_slots=2).num_slots == 2
+
+    small = Engine(model, options, memory_budget_bytes=per_slot - 1)
+    with pytest.raises(EngineCapacityError, match=r"one sequence slot needs .* MiB .* memory budget"):
+        small.add(_request("a", options))
+
+
+def test_bad_requests_are_refused_at_add(models):
+    engine = Engine(models["tiny"], DecodeOptions(max_new_tokens=4), max_slots=1)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add(Request("x", []))
+    with pytest.raises(ValueError, match=r"outside the vocabulary \(size 512\): \[512\]"):
+        engine.add(Request("y", [1, 512]))
+    assert not engine.has_work
+
+
+class _StorageProbe(TorchDispatchMode):
+    """Records every aten op that reads or writes the storages it watches."""
+
+    def __init__(self, storages: dict[int, str]):
+        super().__init__()
+        self.storages, self.ops = storages, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for a in tree_flatten((args, kwargs or {}))[0]:
+            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.storages:
+                self.ops.add((func.__name__, self.storages[a.untyped_storage().data_ptr()]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["fixed-k3", "autoregressive"])
+def test_decode_steps_never_copy_the_caches(models, mode):
+    """Slot buffers keep their storage across steps, and a decode step touches the keys and values only by
+    in-place scatter, views and the attention kernel itself: no cat, gather or clone of a cache."""
+    name, options = MODES[mode]
+    engine = Engine(models[name], options, max_slots=4)
+    for key in ("long", "a", "c"):
+        engine.add(_request(key, options))
+    while len(engine.decoding) < 3:
+        engine.step()
+    slots = engine.slots
+    ptrs = [t.data_ptr() for t in slots.buffers()]
+    watched = {t.untyped_storage().data_ptr(): kind for kind, ts in (("kv", slots.keys), ("kv", slots.values))
+               for t in ts if t is not None}
+    watched[slots.key_pos.untyped_storage().data_ptr()] = "key_pos"
+    probe = _StorageProbe(watched)
+    with probe:
+        for _ in range(3):
+            assert engine.decoding and not engine.prefilling
+            engine.step()
+    assert [t.data_ptr() for t in slots.buffers()] == ptrs
+    kv_ops = {op for op, kind in probe.ops if kind == "kv"}
+    assert kv_ops <= {"scatter_.src", "slice.Tensor", "alias.default", "scaled_dot_product_attention.default"}, kv_ops
+    assert ("scatter_.src", "kv") in probe.ops  # the new keys were written in place
+
+
+def test_engine_loop_serves_concurrent_batches_and_isolates_a_failing_request(models):
+    """Coroutines of several batches share one engine thread; a request whose step fails is found by rerunning
+    the requests one at a time, and only it gets the error."""
+    model = models["tiny"]
+    poison = 77
+
+    class Flaky(type(model)):  # a model whose kernels fail on one token id, as a crash in a kernel would
+        def forward_slots(self, input_ids, rows, **kw):
+            if bool((input_ids == poison).any()):
+                raise RuntimeError("kernel failure")
+            return super().forward_slots(input_ids, rows, **kw)
+
+    flaky = load_model("tiny")
+    flaky.__class__ = Flaky
+    options = DecodeOptions(max_new_tokens=10, tokens_per_step=2)
+    loop = EngineLoop(Engine(flaky, options, max_slots=3))
+    prompts = [PROMPTS["a"], PROMPTS["c"], [poison] * 20, PROMPTS["d"], PROMPTS["b"]]
+
+    async def batch(ps):
+        return await asyncio.gather(*(loop.submit(p) for p in ps), return_exceptions=True)
+
+    async def main():
+        return await asyncio.gather(batch(prompts[:2]), batch(prompts[2:4]), batch(prompts[4:]))
+
+    results = [g for b in asyncio.run(main()) for g in b]
+    assert isinstance(results[2], RuntimeError) and "kernel failure" in str(results[2])
+    for i in (0, 1, 3, 4):
+        assert results[i].tokens == generate(model, [prompts[i]], options)[0].tokens
