@@ -99,6 +99,8 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
         max_file_bytes=spec.input.max_file_bytes,
         max_input_tokens=spec.input.max_input_tokens,
         fallback_encoding=spec.input.fallback_encoding,
+        parse_timeout_s=spec.input.parse_timeout_s,
+        max_pages=spec.input.max_pages,
     )
 
 
