@@ -62,7 +62,7 @@ def parse_document(uri: str, data: bytes, *, fallback_encoding: str | None = Non
     if not data:
         return Parsed(fmt, "empty", "the file is empty (0 bytes)")
     if fmt == "pdf":
-        return _parse_pdf(data, max_pages)
+        return parse_pdf(data, max_pages)
     return _parse_text(fmt, data, fallback_encoding)
 
 
@@ -106,7 +106,8 @@ def _clean(text: str) -> str:
         return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
-def _parse_pdf(data: bytes, max_pages: int | None = None) -> Parsed:
+def parse_pdf(data: bytes, max_pages: int | None = None) -> Parsed:
+    """A PDF's text, or the status saying why not (this is what the child process of parse_process.py runs)."""
     pymupdf.TOOLS.mupdf_display_errors(False)  # errors become statuses; do not spray MuPDF messages on stderr
     if b"%%EOF" not in data[-2048:]:
         return Parsed("pdf", "truncated_pdf", f"the PDF is cut off: no %%EOF marker at its end ({len(data)} bytes)")

@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import asdict
 
-from clover_batch.pipeline.parse import Parsed, _parse_pdf, document_format, parse_document
+from clover_batch.pipeline.parse import Parsed, document_format, parse_document, parse_pdf
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,8 @@ def serve(request_fd: int, reply_fd: int) -> None:
         header = json.loads(_read_blocking(request_fd, int.from_bytes(size, "big")))
         data = _read_blocking(request_fd, header["size"]) if header["size"] else b""
         try:
-            parsed = _parse_pdf(data, header["max_pages"])
-        except Exception as e:  # _parse_pdf turns pymupdf's errors into statuses; anything else is reported too
+            parsed = parse_pdf(data, header["max_pages"])
+        except Exception as e:  # parse_pdf turns pymupdf's errors into statuses; anything else is reported too
             parsed = Parsed("pdf", "corrupt_pdf", f"the PDF parser failed: {type(e).__name__}: {e}")
         reply = json.dumps(asdict(parsed), ensure_ascii=False).encode("utf-8")
         _write_blocking(reply_fd, _header(len(reply)) + reply)

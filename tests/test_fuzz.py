@@ -67,6 +67,23 @@ def test_fuzz_parse_each_file_gets_one_named_status_and_matches_in_process(corpu
             assert parse_document(name, corpus[name], max_pages=MAX_PAGES) == parsed, name
 
 
+@pytest.mark.parametrize("fallback", [None, "cp1252", "utf-16", "shift_jis", "unicode_escape"])
+def test_fuzz_texts_with_each_fallback_encoding(fallback):
+    """Legacy decodings of random bytes give anything, lone surrogates included: still one named status, and every
+    ok text is valid UTF-8 (Arrow and the tokenizer need it)."""
+    files = {**fuzz_texts(seed=1), "escaped-surrogate.txt": b"\xff caf\\xe9 \\ud800 end"}
+    for name, data in files.items():
+        parsed = parse_document(name, data, fallback_encoding=fallback)
+        assert parsed.status in DOCUMENT_STATUSES, (name, parsed)
+        if parsed.status == "ok":
+            parsed.text.encode("utf-8")
+        else:
+            assert parsed.error and parsed.text is None, name
+    if fallback == "unicode_escape":  # decodes to a lone surrogate, which becomes U+FFFD
+        assert parse_document("x.txt", files["escaped-surrogate.txt"], fallback_encoding=fallback).text == \
+            "\xff caf\xe9 \ufffd\ufffd\ufffd end"
+
+
 @requires_engine
 def test_fuzz_pipeline_every_file_one_row_and_the_run_completes(ray_session, corpus, tmp_path):
     docs = tmp_path / "docs"
