@@ -5,7 +5,8 @@ template written by whoever published the checkpoint. Rendered by a plain `jinja
 internals (`self.__init__.__globals__.__builtins__...`) and runs anything it likes, on the driver and in every Ray
 worker. Here it is compiled in jinja2's `ImmutableSandboxedEnvironment`, as transformers does, with the same
 helpers real templates use: `raise_exception`, `strftime_now`, a JSON `tojson` that does not HTML-escape, the
-`loopcontrols` extension, a `{% generation %}` tag, and `namespace` / `dict` that refuse underscore names.
+`loopcontrols` extension, a `{% generation %}` tag, and `namespace` / `dict` that refuse underscore names
+(jinja's `lipsum` is left out: random text has no place in a prompt).
 
 The sandbox stops code execution, not resource exhaustion, so a render also has:
 - a time budget (`RENDER_SECONDS`), checked at every attribute access, call, operator and output chunk;
@@ -213,6 +214,9 @@ def _environment() -> _Sandbox:
     env.filters["tojson"] = _guarded_filter("tojson", _tojson)
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace,
                        dict=_Dict())
+    # lipsum makes random text (a prompt that changes from worker to worker) by the megabyte; no chat template
+    # uses it
+    del env.globals["lipsum"]
     return env
 
 
