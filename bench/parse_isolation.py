@@ -6,6 +6,7 @@ busy machine slows both alike), --repeats passes, after one warm-up pass that al
 exactly the in-process ones. A fresh child per document is timed on the first --fresh-docs documents.
 
     python bench/parse_isolation.py --docs 40 --max-pages 40 --repeats 3
+    python bench/parse_isolation.py --docs 40 --examples --repeats 3
 
 Prints ms per document and the ratio to in-process. The persistent child's start is printed apart: a Ray worker
 pays it once, on its first PDF.
@@ -17,11 +18,13 @@ import argparse
 import random
 import statistics
 import time
+from pathlib import Path
 
 import pymupdf
 from clover_batch.pipeline.parse import parse_document
 from clover_batch.pipeline.parse_process import IsolatedParser
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "jobs" / "examples" / "docs"
 WORDS = ("the tenant shall pay rent on the first day of each month to the landlord at the address given in clause "
          "four unless notice in writing is served no later than thirty days before the renewal date and both parties "
          "agree that any dispute is settled under the laws of the state where the property lies").split()
@@ -47,9 +50,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fresh-docs", type=int, default=10, help="documents timed with a fresh child each")
+    ap.add_argument("--examples", action="store_true",
+                    help="use the example PDFs (jobs/examples/docs, one or two small pages each: the worst case, "
+                         "where the round trip is largest against the parse) repeated to --docs documents")
     args = ap.parse_args()
 
-    corpus = make_corpus(args.docs, args.max_pages, args.seed)
+    if args.examples:
+        examples = [p.read_bytes() for p in sorted(EXAMPLES.glob("*.pdf"))]
+        corpus = [examples[i % len(examples)] for i in range(args.docs)]
+    else:
+        corpus = make_corpus(args.docs, args.max_pages, args.seed)
     reference = [parse_document("doc.pdf", data) for data in corpus]
     pages = sum(r.pages for r in reference)
     print(f"corpus: {len(corpus)} PDFs, {pages} pages, {sum(map(len, corpus)) / 2**20:.1f} MiB "
