@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Annotated
 
 import typer
@@ -41,9 +42,18 @@ def _load(job: str, overrides: list[str] | None):
 
 @app.command()
 def validate(job: JobArg, set_: SetOpt = None) -> None:
-    """Check a job file; print the resolved job, or the fields that are wrong."""
+    """Check a job file and its model (config, checkpoint, chat template); print the resolved job, or what is
+    wrong."""
+    from clover_batch.jobs.preflight import check_model
+
     spec = _load(job, set_)
     console.print_json(json.dumps(masked(spec.model_dump(mode="json"))))
+    try:
+        check_model(spec)
+    except (ValueError, OSError) as e:  # Config, Checkpoint, ChatTemplate errors; unreadable files: one line
+        err_console.print(f"[red]{job}: model.source {spec.model.source}: {type(e).__name__}: {e}[/red]",
+                          highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
     console.print(f"[green]{job}: valid[/green]")
 
 
@@ -108,13 +118,23 @@ def run(
                 raise
             import ray.exceptions
 
-            # Ray's errors carry the remote traceback in their text: the first line says what failed
-            message = str(e).splitlines()[0] if isinstance(e, ray.exceptions.RayError) else str(e)
-            err_console.print(f"[red]run failed: {type(e).__name__}: {message}[/red]", highlight=False)
+            message = _ray_message(e) if isinstance(e, ray.exceptions.RayError) else f"{type(e).__name__}: {e}"
+            err_console.print(f"[red]run failed: {message}[/red]", highlight=False, soft_wrap=True)
             err_console.print("(rerun with --verbose for the traceback; finished documents are kept)")
             raise typer.Exit(1) from None
     _print_report(result.report)
     console.print(f"run report: {result.report_uri}")
+
+
+def _ray_message(e: Exception) -> str:
+    """A Ray error in one line. Its text is the remote traceback, whose last exception line is the cause (an actor
+    that could not load its model says ActorDiedError first, the ConfigError naming the problem last)."""
+    lines = str(e).splitlines() or [""]
+    causes = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception): ", line)]
+    if causes:
+        name, _, text = causes[-1].partition(": ")
+        return f"{name.rsplit('.', 1)[-1]}: {text} (in a Ray worker: {type(e).__name__})"
+    return f"{type(e).__name__}: {lines[0]}"
 
 
 def _print_report(report: dict) -> None:

@@ -27,6 +27,7 @@ from clover_batch.connectors.sink import (
     read_output,
     write_report,
 )
+from clover_batch.jobs.preflight import check_model
 from clover_batch.jobs.spec import JobSpec
 from clover_batch.pipeline.builder import PipelineOptions, build_pipeline
 from clover_batch.pipeline.postprocess import FieldRule
@@ -99,6 +100,8 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
         max_file_bytes=spec.input.max_file_bytes,
         max_input_tokens=spec.input.max_input_tokens,
         fallback_encoding=spec.input.fallback_encoding,
+        parse_timeout_s=spec.input.parse_timeout_s,
+        max_pages=spec.input.max_pages,
     )
 
 
@@ -119,17 +122,7 @@ def run(
     run_id: str | None = None,
 ) -> RunResult:
     """Process every listed document that has no committed row yet; returns the run report."""
-    if "://" not in spec.model.source:  # a preset or local folder is checked here, before Ray; URIs on load
-        from clover_batch.model import load_config
-        from clover_batch.model.expert_parallel import check_expert_parallel
-
-        config = load_config(spec.model.source)  # ConfigError names the source and what is wrong
-        try:
-            spec.decode.options().check(config)
-        except ValueError as e:
-            raise ValueError(f"decode: {e} (model {spec.model.source})") from None
-        if spec.model.expert_parallel > 1:
-            check_expert_parallel(config, spec.model.expert_parallel)
+    check_model(spec)  # config, checkpoint headers, chat template: before the lock, Ray or any worker
     run_id = run_id or new_run_id()
     opts = pipeline_options(spec, run_id)
     check_output_outside_input(opts.input, opts.output)

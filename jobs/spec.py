@@ -49,6 +49,19 @@ class InputSpec(_Strict):
         description="Encoding tried when a text file is not "
         "UTF-8 (e.g. 'cp1252'). Unset: such files get status `decode_error`.",
     )
+    parse_timeout_s: float = Field(
+        default=300,
+        gt=0,
+        description="Most seconds one document may take to parse. PDFs are parsed in a child process of the "
+        "worker; one that runs past this is stopped and the document gets status `parse_timeout` (a parser crash "
+        "gives `parse_crashed`). The run goes on.",
+    )
+    max_pages: int = Field(
+        default=10_000,
+        gt=0,
+        description="PDFs with more pages than this get status `too_many_pages` before any text is extracted. "
+        "The default is past what input.max_input_tokens admits at ordinary page densities.",
+    )
 
 
 class OutputSpec(_Strict):

@@ -17,7 +17,14 @@ from .generate import generate
 from .moe import Experts
 from .options import DecodeOptions
 from .state import AttentionState, CloverState, GDNState
-from .weights import CheckpointError, init_random_weights, load_checkpoint_weights, read_config, save_checkpoint
+from .weights import (
+    CheckpointError,
+    check_memory,
+    init_random_weights,
+    load_checkpoint_weights,
+    read_config,
+    save_checkpoint,
+)
 
 __all__ = [
     "AttentionState",
@@ -88,12 +95,14 @@ def load_model(source: str | Path, *, device: str | torch.device = "cpu", dtype:
         if unknown:
             raise ConfigError(f"unknown config override(s) {unknown}; overridable fields: {sorted(allowed)}")
         config = config.replace(**overrides)
+    preset = isinstance(source, str) and is_preset(source)
+    if preset and config.parameter_counts()[0] > MAX_RANDOM_INIT_PARAMS:
+        raise ConfigError(f"preset {source!r} has {config.parameter_counts()[0] / 1e9:.1f}B parameters: random "
+                          f"weights are only made for small presets; point the model at a checkpoint directory "
+                          f"instead")
+    check_memory(config, dtype=dtype, device=device, source=str(source), expert_range=expert_range)
     model = build_model(config, expert_range=expert_range)
-    if isinstance(source, str) and is_preset(source):
-        total, _ = config.parameter_counts()
-        if total > MAX_RANDOM_INIT_PARAMS:
-            raise ConfigError(f"preset {source!r} has {total / 1e9:.1f}B parameters: random weights are only made "
-                              f"for small presets; point the model at a checkpoint directory instead")
+    if preset:
         init_random_weights(model, seed=seed, dtype=dtype, device=device)
     else:
         load_checkpoint_weights(model, Path(source), dtype=dtype, device=device)

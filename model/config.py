@@ -198,6 +198,9 @@ class CloverConfig:
     def from_file(cls, path: str | Path) -> CloverConfig:
         path = Path(path)
         try:
+            if path.stat().st_size > MAX_CONFIG_BYTES:  # checked before reading: a hostile file can be any size
+                raise ConfigError(f"{path}: {path.stat().st_size:,} bytes, over the limit of {MAX_CONFIG_BYTES:,} "
+                                  "for a config.json")
             raw = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{path}: no config.json in the checkpoint directory") from None
@@ -208,6 +211,8 @@ class CloverConfig:
         except ConfigError as exc:
             raise ConfigError(f"{path}: {exc}") from None
 
+
+MAX_CONFIG_BYTES = 16 * 2**20  # real config.json files are a few KB
 
 _REQUIRED_INT = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "linear_num_key_heads",
                  "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "num_experts",

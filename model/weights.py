@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .clover import CloverModel
-from .config import CloverConfig
+from .config import CloverConfig, ConfigError
 from .moe import Experts
 
 
@@ -114,9 +114,10 @@ class _Reader:
         return self._open[file]
 
 
-def _assemble(name: str, srcs: list[Source], expected: torch.Size, experts: Experts | None, reader: _Reader,
-              problems: list[str], num_experts: int) -> torch.Tensor | None:
-    """Read one parameter; for expert stacks only the experts this model holds."""
+def _plan(name: str, srcs: list[Source], expected: torch.Size, experts: Experts | None, reader: _Reader,
+          problems: list[str], num_experts: int) -> Callable[[], torch.Tensor] | None:
+    """Check one parameter's checkpoint tensors from the safetensors headers alone (no tensor data is read) and
+    return how to read it; for expert stacks only the experts this model holds. None when it does not fit."""
     if experts is not None:
         extra = sorted(s.key for s in srcs if s.expert is not None and s.expert >= num_experts)
         if extra:
@@ -129,54 +130,60 @@ def _assemble(name: str, srcs: list[Source], expected: torch.Size, experts: Expe
             what = "given both packed and per expert" if len(kinds) > 1 else "given more than once"
             problems.append(f"{name}: {what} ({', '.join(f'{s.file.name}:{s.key}' for s in srcs[:4])})")
             return None
-        f = reader.handle(srcs[0].file)
-        sl = f.get_slice(srcs[0].key)
-        shape = list(sl.get_shape())
+        src = srcs[0]
+        shape = list(reader.handle(src.file).get_slice(src.key).get_shape())
         if experts is not None:  # packed [E_total, ...]: take our contiguous range
             full = [experts.num_local if i == 0 else s for i, s in enumerate(expected)]
             if len(shape) != len(full) or shape[1:] != full[1:] or shape[0] != num_experts:
                 tail = ", ".join(map(str, full[1:]))
-                problems.append(f"{srcs[0].key}: shape {shape}, expected [{num_experts}, {tail}]")
+                problems.append(f"{src.key}: shape {shape}, expected [{num_experts}, {tail}]")
                 return None
-            return sl[experts.first_expert: experts.first_expert + experts.num_local]
+            lo, n = experts.first_expert, experts.num_local
+            return lambda: reader.handle(src.file).get_slice(src.key)[lo: lo + n]
         if shape != list(expected):
-            problems.append(f"{srcs[0].key}: shape {shape}, expected {list(expected)}")
+            problems.append(f"{src.key}: shape {shape}, expected {list(expected)}")
             return None
-        return f.get_tensor(srcs[0].key)
+        return lambda: reader.handle(src.file).get_tensor(src.key)
     lo, n = experts.first_expert, experts.num_local
     parts: dict[tuple[int, int | None], Source] = {(s.expert, s.half): s for s in srcs if s.expert is not None}
-    rows = []
+    halves = [0, 1] if name.endswith("gate_up_proj") else [None]
+    want = [expected[1] // len(halves), expected[2]]
+    ok = True
     for e in range(lo, lo + n):
-        halves = [0, 1] if name.endswith("gate_up_proj") else [None]
-        pieces = []
         for half in halves:
             src = parts.get((e, half))
             if src is None:
                 part = {0: "gate_proj", 1: "up_proj", None: "down_proj"}[half]
                 problems.append(f"missing {name.rsplit('.', 1)[0]}.{e}.{part}.weight")
+                ok = False
                 continue
-            t = reader.handle(src.file).get_tensor(src.key)
-            want = [expected[1] // len(halves), expected[2]]
-            if list(t.shape) != want:
-                problems.append(f"{src.key}: shape {list(t.shape)}, expected {want}")
-                continue
-            pieces.append(t)
-        if len(pieces) == len(halves):
-            rows.append(torch.cat(pieces, dim=0))
-    return torch.stack(rows) if len(rows) == n else None
+            shape = list(reader.handle(src.file).get_slice(src.key).get_shape())
+            if shape != want:
+                problems.append(f"{src.key}: shape {shape}, expected {want}")
+                ok = False
+    if not ok:
+        return None
+
+    def read() -> torch.Tensor:
+        rows = [torch.cat([reader.handle(parts[(e, h)].file).get_tensor(parts[(e, h)].key) for h in halves], dim=0)
+                for e in range(lo, lo + n)]
+        return torch.stack(rows)
+
+    return read
 
 
 def _expert_modules(model: CloverModel) -> dict[str, Experts]:
     return {f"{name}.": m for name, m in model.named_modules() if isinstance(m, Experts)}
 
 
-def load_checkpoint_weights(model: CloverModel, path: Path, *, dtype: torch.dtype, device: torch.device) -> None:
-    """Attach the checkpoint's tensors to a model built on the meta device (raises CheckpointError)."""
+def _plan_checkpoint(model: CloverModel, path: Path) -> tuple[dict[str, Callable[[], torch.Tensor]], _Reader]:
+    """How to read each parameter of `model` from the checkpoint, after checking every shape from the safetensors
+    headers (raises CheckpointError naming every problem; no tensor data is read)."""
     sources = index_checkpoint(path)
     experts_by_prefix = _expert_modules(model)
     expected = {name: p.shape for name, p in model.named_parameters()}
     problems: list[str] = []
-    state: dict[str, torch.Tensor] = {}
+    readers: dict[str, Callable[[], torch.Tensor]] = {}
     reader = _Reader()
     for name, shape in expected.items():
         srcs = sources.get(name)
@@ -184,9 +191,9 @@ def load_checkpoint_weights(model: CloverModel, path: Path, *, dtype: torch.dtyp
             problems.append(f"missing {name}")
             continue
         owner = next((m for prefix, m in experts_by_prefix.items() if name.startswith(prefix)), None)
-        tensor = _assemble(name, srcs, shape, owner, reader, problems, model.config.num_experts)
-        if tensor is not None:
-            state[name] = tensor.to(device=device, dtype=dtype)
+        read = _plan(name, srcs, shape, owner, reader, problems, model.config.num_experts)
+        if read is not None:
+            readers[name] = read
     unexpected = sorted(set(sources) - set(expected))
     if model.lm_head is None and "lm_head.weight" in unexpected:
         unexpected.remove("lm_head.weight")  # tied checkpoints may still carry a copy
@@ -194,6 +201,22 @@ def load_checkpoint_weights(model: CloverModel, path: Path, *, dtype: torch.dtyp
     if problems:
         shown = "\n  ".join(problems[:40]) + (f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else "")
         raise CheckpointError(f"checkpoint {path} does not match its config:\n  {shown}")
+    return readers, reader
+
+
+def check_checkpoint(model: CloverModel, path: Path) -> None:
+    """Raise CheckpointError unless the checkpoint's tensors fit `model` (built on the meta device): the driver's
+    check before a run, from the headers only."""
+    _plan_checkpoint(model, path)
+
+
+def load_checkpoint_weights(model: CloverModel, path: Path, *, dtype: torch.dtype, device: torch.device) -> None:
+    """Attach the checkpoint's tensors to a model built on the meta device (raises CheckpointError).
+
+    Every shape is checked from the headers first: a config that does not match its checkpoint fails before a
+    single tensor is read, copied or converted."""
+    readers, _ = _plan_checkpoint(model, path)  # each reader holds the open shard it reads from
+    state = {name: read().to(device=device, dtype=dtype) for name, read in readers.items()}
     model.load_state_dict(state, strict=True, assign=True)
 
 
@@ -257,6 +280,70 @@ def save_checkpoint(model: CloverModel, out_dir: str | Path, *, per_expert: bool
     save_file(dict(checkpoint_tensors(model, per_expert=per_expert)), str(out / "model.safetensors"),
               metadata={"format": "pt"})
     return out
+
+
+def weight_bytes(config: CloverConfig, dtype: torch.dtype, expert_range: tuple[int, int] | None = None) -> int:
+    """Bytes the weights of one model (or of one expert-parallel rank's expert range) take in `dtype`."""
+    total, _ = config.parameter_counts()
+    if expert_range is not None:
+        absent = config.num_experts - (expert_range[1] - expert_range[0])
+        total -= absent * 3 * config.hidden_size * config.moe_intermediate_size * config.num_hidden_layers
+    return total * torch.empty((), dtype=dtype).element_size()
+
+
+def _cgroup_free_bytes() -> int | None:
+    """What this process's cgroup (a container's memory limit) still allows, when it sets one (v2, then v1)."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max", or v1's "no limit" (a huge number)
+            return max(0, int(limit) - usage)
+    return None
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for new weights on `device`: the GPU's free memory; on CPU, MemAvailable (capped by a container
+    limit). None when it cannot be told."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    if device.type != "cpu":
+        return None
+    free = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    cgroup = _cgroup_free_bytes()
+    if cgroup is not None:
+        free = cgroup if free is None else min(free, cgroup)
+    return free
+
+
+def check_memory(config: CloverConfig, *, dtype: torch.dtype, device: torch.device, source: str,
+                 expert_range: tuple[int, int] | None = None, available: int | None = None) -> None:
+    """Refuse a model whose weights alone do not fit in what `device` has free, before allocating anything.
+
+    A config.json can ask for any size; without this a too-large (or hostile) one is found out by the kernel's
+    out-of-memory killer halfway through loading. `available` overrides the measured free memory.
+    """
+    need = weight_bytes(config, dtype, expert_range)
+    have = available_memory(device) if available is None else available
+    if have is not None and need > have:
+        total, _ = config.parameter_counts()
+        part = "" if expert_range is None else f" (experts {expert_range[0]}..{expert_range[1] - 1} of this rank)"
+        raise ConfigError(
+            f"model {source}: its config asks for {need / 2**30:,.1f} GiB of weights in "
+            f"{str(dtype).removeprefix('torch.')} ({total / 1e9:,.2f}B parameters{part}), more than {device} has free "
+            f"({have / 2**30:,.1f} GiB); nothing was loaded. Check config.json, or use bfloat16, expert_parallel or "
+            f"a larger device")
 
 
 def read_config(path: Path) -> CloverConfig:

@@ -21,7 +21,7 @@ from clover_batch.connectors.checkpoint import local_checkpoint
 from clover_batch.connectors.faults import fault_point
 from clover_batch.connectors.fs import Location, read_bytes
 from clover_batch.connectors.sink import write_part
-from clover_batch.pipeline.parse import parse_document
+from clover_batch.pipeline.parse_process import parse_isolated
 from clover_batch.pipeline.postprocess import FieldRule, check_extraction, extraction_instruction
 from clover_batch.pipeline.rows import (
     OUTPUT_SCHEMA,
@@ -112,10 +112,13 @@ class ReadStage:
 
 
 class ParseStage:
-    """Bytes -> text (needs: data, source_uri)."""
+    """Bytes -> text (needs: data, source_uri). PDFs are parsed in this worker's child process, each within
+    `timeout_s` (pipeline/parse_process.py): a PDF that hangs or crashes MuPDF costs its own row, not the worker."""
 
-    def __init__(self, fallback_encoding: str | None):
+    def __init__(self, fallback_encoding: str | None, timeout_s: float = 300.0, max_pages: int | None = None):
         self.fallback_encoding = fallback_encoding
+        self.timeout_s = timeout_s
+        self.max_pages = max_pages
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = to_rows(batch)
@@ -124,7 +127,8 @@ class ParseStage:
                 continue
             with guarded(row, "parse"):
                 with timed(row, "parse"):
-                    parsed = parse_document(row["source_uri"], row["data"], fallback_encoding=self.fallback_encoding)
+                    parsed = parse_isolated(row["source_uri"], row["data"], timeout_s=self.timeout_s,
+                                            fallback_encoding=self.fallback_encoding, max_pages=self.max_pages)
                 row.update(format=parsed.format, pages=parsed.pages, data=None, text=parsed.text)
                 if parsed.status != "ok":
                     fail(row, parsed.status, parsed.error)
@@ -142,7 +146,11 @@ class TokenizeStage:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         if self._builder is None:
-            self._builder = PromptBuilder(self.model.local())
+            builder = PromptBuilder(self.model.local())
+            # Rendered here, outside the per-document guard: a template that fails is the checkpoint's problem and
+            # fails the run (the driver checked it first), instead of writing a final error row for every document.
+            builder.check(self.instruction)
+            self._builder = builder
         rows = to_rows(batch)
         for row in rows:
             if not _ok(row):

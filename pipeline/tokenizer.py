@@ -5,18 +5,21 @@
   257 `<|im_start|>`, 258 `<|im_end|>` (also eos), 259 `<|mask|>`. The presets use it; `model init` writes it
   as tokenizer.json into checkpoint folders.
 - `load_tokenizer(source)`: tokenizer.json of a checkpoint folder, or the byte tokenizer for a preset name.
-- `PromptBuilder`: the checkpoint's chat template (tokenizer_config.json `chat_template`, rendered with jinja2)
-  or a plain Qwen-style template. The document is encoded with special-token matching switched off, so text such
-  as "<|im_end|>" inside a document can never close the turn early (no prompt injection through the document).
+- `PromptBuilder`: the checkpoint's chat template (tokenizer_config.json `chat_template` or chat_template.jinja,
+  rendered in the jinja2 sandbox of pipeline/chat_template.py) or a plain Qwen-style template. The document is
+  encoded with special-token matching switched off, so text such as "<|im_end|>" inside a document can never
+  close the turn early (no prompt injection through the document).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 
+from clover_batch.pipeline.chat_template import ChatTemplateError, load_chat_template
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+__all__ = ["ChatTemplateError", "PromptBuilder", "build_byte_tokenizer", "load_chat_template", "load_tokenizer"]
 
 ENDOFTEXT, IM_START, IM_END, MASK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, MASK)  # ids 256, 257, 258, 259 in the byte tokenizer
@@ -60,37 +63,34 @@ def load_tokenizer(source: str) -> Tokenizer:
     return build_byte_tokenizer()
 
 
-def load_chat_template(source: str) -> str | None:
-    """The jinja chat template of a checkpoint folder (tokenizer_config.json), or None."""
-    path = os.path.join(source, "tokenizer_config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        template = json.load(f).get("chat_template")
-    if isinstance(template, list):  # HF allows a list of named templates
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return template
-
-
 class PromptBuilder:
-    """Turns (instruction, document text) into prompt token ids for one model source."""
+    """Turns (instruction, document text) into prompt token ids for one model source.
+
+    The template is rendered around a placeholder, once per instruction (cached): the document itself never goes
+    through jinja, so its length cannot slow the render, and its text is encoded with special-token matching off.
+    """
 
     def __init__(self, source: str):
         self.tokenizer = load_tokenizer(source)
-        template = load_chat_template(source)
-        if template is None:
-            self._template = lambda content: PLAIN_TEMPLATE.format(content=content)
-        else:
-            import jinja2  # only checkpoints with a chat template need it
+        self.template = load_chat_template(source) if os.path.isdir(source) else None
+        self._scaffolds: dict[str, tuple[list[int], list[int]]] = {}
 
-            compiled = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template)
-            self._template = lambda content: compiled.render(messages=[{"role": "user", "content": content}],
-                                                             add_generation_prompt=True)
+    def _render(self, content: str) -> str:
+        if self.template is None:
+            return PLAIN_TEMPLATE.format(content=content)
+        return self.template.render([{"role": "user", "content": content}], add_generation_prompt=True)
 
-    def _render(self, content: str) -> tuple[str, str]:
-        """The template around one user message `content`, split where the sentinel stands in it."""
-        before, _, after = self._template(content).partition(_DOC_SENTINEL)
-        return before, after
+    def _scaffold(self, content: str) -> tuple[list[int], list[int]]:
+        """Token ids before and after the placeholder in the template's text for one user message `content`."""
+        if content not in self._scaffolds:
+            rendered = self._render(content)
+            if rendered.count(_DOC_SENTINEL) != 1:
+                origin = self.template.origin if self.template else "the plain template"
+                raise ChatTemplateError(f"{origin}: the chat template must place the user message in the prompt "
+                                        f"exactly once (it appears {rendered.count(_DOC_SENTINEL)} times)")
+            before, _, after = rendered.partition(_DOC_SENTINEL)
+            self._scaffolds[content] = (self.encode(before, specials=True), self.encode(after, specials=True))
+        return self._scaffolds[content]
 
     def encode(self, text: str, *, specials: bool) -> list[int]:
         self.tokenizer.encode_special_tokens = not specials
@@ -100,13 +100,16 @@ class PromptBuilder:
             self.tokenizer.encode_special_tokens = False
 
     def _wrap(self, content: str, text: str) -> list[int]:
-        before, after = self._render(content)
-        middle = self.encode(text, specials=False)
-        return self.encode(before, specials=True) + middle + self.encode(after, specials=True)
+        before, after = self._scaffold(content)
+        return before + self.encode(text, specials=False) + after
 
     def build(self, instruction: str, document: str) -> list[int]:
         """Prompt ids for one document: the instruction, a blank line, the document, as one user message."""
         return self._wrap(f"{instruction}\n\n{_DOC_SENTINEL}", document)
+
+    def check(self, instruction: str) -> None:
+        """Render the template for `instruction` now (raises ChatTemplateError): the driver's check before a run."""
+        self._scaffold(f"{instruction}\n\n{_DOC_SENTINEL}")
 
     def chat(self, text: str) -> list[int]:
         """Prompt ids for `text` as the whole user message (special-token text in it stays plain text)."""

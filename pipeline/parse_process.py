@@ -1,0 +1,255 @@
+"""PDF parsing in a child process, so a hostile PDF can stall or crash only that child, never the Ray worker.
+
+MuPDF is C code fed untrusted bytes. A PDF that sends it into a loop would hold a parse worker forever (a Python
+thread cannot be interrupted inside C); one that crashes it, or makes it allocate until the kernel kills the
+process, would take the worker down with every other document of its batch. So PDFs are parsed in a child:
+
+- One child per worker process, started on the first PDF and reused for every later one: starting a Python with
+  pymupdf for each document would cost more than parsing an ordinary PDF (bench/parse_isolation.py measures both).
+- Each document has `timeout_s` from sending its bytes to the reply. Past it the child is killed (SIGKILL) and the
+  document gets `parse_timeout`; a child that dies mid-document gives `parse_crashed`. The next PDF starts a fresh
+  child.
+- Requests and replies are length-prefixed JSON over two pipes, never pickle: a child compromised through MuPDF
+  must not be able to run code in the worker by what it sends back. The child's stdout is not the channel, so C
+  code printing there cannot corrupt it.
+- The child dies with its parent (PR_SET_PDEATHSIG on Linux, and EOF on its request pipe), and runs in its own
+  session, so Ctrl-C on the driver does not print its traceback.
+
+Text files are not sent to the child: decoding them is our own linear-time code (pipeline/parse.py), and there is
+nothing in it to hang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+
+from clover_batch.pipeline.parse import Parsed, document_format, parse_document, parse_pdf
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 120.0  # a busy node can take a while to start Python and import pymupdf
+_PIPE_BYTES = 1 << 20  # ask Linux for 1 MiB pipes: fewer wake-ups for a large PDF
+_CHILD_CODE = ("import sys; from clover_batch.pipeline.parse_process import serve; "
+               "serve(int(sys.argv[1]), int(sys.argv[2]))")
+
+
+class _Timeout(Exception):
+    pass
+
+
+class _ChildGone(Exception):
+    pass
+
+
+# ---- framing: 8-byte big-endian length, then the payload ----
+
+def _header(n: int) -> bytes:
+    return n.to_bytes(8, "big")
+
+
+def _read_blocking(fd: int, n: int) -> bytes | None:
+    """n bytes from a blocking fd, or None on EOF before the first byte (the child's side)."""
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.read(fd, min(n - got, _PIPE_BYTES))
+        if not chunk:
+            if got == 0:
+                return None
+            raise EOFError("request cut short")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _write_blocking(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def serve(request_fd: int, reply_fd: int) -> None:
+    """The child's loop: read a request (JSON header, then the PDF's bytes), parse, reply with the Parsed as JSON."""
+    _die_with_parent()
+    _write_blocking(reply_fd, _header(0))  # ready: pymupdf is imported
+    while True:
+        size = _read_blocking(request_fd, 8)
+        if size is None:
+            return  # the parent closed the pipe: it is done or gone
+        header = json.loads(_read_blocking(request_fd, int.from_bytes(size, "big")))
+        data = _read_blocking(request_fd, header["size"]) if header["size"] else b""
+        try:
+            parsed = parse_pdf(data, header["max_pages"])
+        except Exception as e:  # parse_pdf turns pymupdf's errors into statuses; anything else is reported too
+            parsed = Parsed("pdf", "corrupt_pdf", f"the PDF parser failed: {type(e).__name__}: {e}")
+        reply = json.dumps(asdict(parsed), ensure_ascii=False).encode("utf-8")
+        _write_blocking(reply_fd, _header(len(reply)) + reply)
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass  # no libc by that name: the request pipe's EOF still ends the loop
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "it closed its pipe"
+    if code < 0:
+        name = signal.Signals(-code).name
+        hint = ": out of memory?" if -code == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exit code {code}"
+
+
+class IsolatedParser:
+    """A persistent child process that parses PDFs, one at a time, each within a time limit."""
+
+    def __init__(self, startup_timeout_s: float = STARTUP_TIMEOUT_S):
+        self.startup_timeout_s = startup_timeout_s
+        self._proc: subprocess.Popen | None = None
+        self._request_fd = self._reply_fd = -1
+        self._lock = threading.Lock()
+        self.starts = 0  # children started so far (1 + restarts after timeouts and crashes)
+
+    # ---- child lifecycle ----
+
+    def _start(self) -> None:
+        request_r, request_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        for fd in (request_w, reply_r):
+            try:
+                import fcntl
+
+                fcntl.fcntl(fd, 1031, _PIPE_BYTES)  # F_SETPIPE_SZ
+            except (ImportError, OSError):
+                pass
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD_CODE, str(request_r), str(reply_w)],
+                pass_fds=(request_r, reply_w), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            os.close(request_r)
+            os.close(reply_w)
+        self._request_fd, self._reply_fd = request_w, reply_r
+        os.set_blocking(request_w, False)
+        self.starts += 1
+        try:
+            self._receive(time.monotonic() + self.startup_timeout_s)
+        except (_Timeout, _ChildGone) as e:
+            code = self._stop()
+            raise RuntimeError(f"the PDF parser process did not start ({type(e).__name__.strip('_')}, "
+                               f"{_describe_exit(code)})") from None
+        log.debug("PDF parser process %d started", self._proc.pid)
+
+    def _stop(self) -> int | None:
+        """Kill the child (if alive), reap it, close the pipes; returns its exit status."""
+        code = None
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            code = self._proc.wait()
+            self._proc = None
+        for fd in (self._request_fd, self._reply_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._request_fd = self._reply_fd = -1
+        return code
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    # ---- one request ----
+
+    def _send(self, data: bytes, deadline: float) -> None:
+        view = memoryview(data)
+        while view:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _Timeout
+            _, writable, _ = select.select([], [self._request_fd], [], remaining)
+            if writable:
+                try:
+                    view = view[os.write(self._request_fd, view[:_PIPE_BYTES]):]
+                except BrokenPipeError:
+                    raise _ChildGone from None
+
+    def _read(self, n: int, deadline: float) -> bytes:
+        chunks, got = [], 0
+        while got < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _Timeout
+            readable, _, _ = select.select([self._reply_fd], [], [], remaining)
+            if readable:
+                chunk = os.read(self._reply_fd, min(n - got, _PIPE_BYTES))
+                if not chunk:
+                    raise _ChildGone
+                chunks.append(chunk)
+                got += len(chunk)
+        return b"".join(chunks)
+
+    def _receive(self, deadline: float) -> bytes:
+        return self._read(int.from_bytes(self._read(8, deadline), "big"), deadline)
+
+    def parse_pdf(self, data: bytes, *, timeout_s: float, max_pages: int | None = None) -> Parsed:
+        """Parse one PDF's bytes in the child; `parse_timeout` / `parse_crashed` when the child does not answer."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                if self._proc is not None:  # died between documents (killed from outside): not this one's fault
+                    self._stop()
+                self._start()
+            header = json.dumps({"size": len(data), "max_pages": max_pages}).encode()
+            deadline = time.monotonic() + timeout_s
+            try:
+                self._send(_header(len(header)) + header + data, deadline)
+                reply = json.loads(self._receive(deadline))
+            except _Timeout:
+                self._stop()
+                return Parsed("pdf", "parse_timeout", f"parsing took longer than input.parse_timeout_s={timeout_s:g} "
+                              "s; the parser was stopped")
+            except _ChildGone:
+                code = self._stop()
+                return Parsed("pdf", "parse_crashed",
+                              f"the PDF parser process died on this document ({_describe_exit(code)})")
+            return Parsed(**reply)
+
+
+_shared: IsolatedParser | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_parser() -> IsolatedParser:
+    """This process's parser child (one per Ray worker process, kept across tasks)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = IsolatedParser()
+            atexit.register(_shared.close)
+        return _shared
+
+
+def parse_isolated(uri: str, data: bytes, *, timeout_s: float, fallback_encoding: str | None = None,
+                   max_pages: int | None = None) -> Parsed:
+    """`parse_document` with PDFs parsed in this process's child under `timeout_s`; other files in-process."""
+    if document_format(uri) == "pdf" and data:
+        return shared_parser().parse_pdf(data, timeout_s=timeout_s, max_pages=max_pages)
+    return parse_document(uri, data, fallback_encoding=fallback_encoding, max_pages=max_pages)
