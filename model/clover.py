@@ -113,6 +113,8 @@ class CloverModel(nn.Module):
         feeds comes from the model itself (a check would cost a host sync per step).
         """
         ctx = self._context(rows.positions, input_ids.shape[1], attention, rows.window)
+        block = self.config.diffusion.block_size if self.config.diffusion is not None else 1
+        ctx.all_visible = rows.all_visible(attention, block)
         rows.write_key_positions(ctx.q_pos)
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):

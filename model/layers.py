@@ -11,7 +11,7 @@ Module and parameter names follow the Qwen3.5-MoE checkpoints, so the key mappin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -65,25 +65,34 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, D, bias=False)
 
     def forward(self, x_BTD: torch.Tensor, state: GDNLayerState) -> tuple[torch.Tensor, GDNLayerState]:
+        T = x_BTD.shape[1]
+        split = state.commit_tokens
+        if split is not None and split < T:  # keep the state after the first `split` tokens: two kernel calls
+            out1, mid = self._mix(x_BTD[:, :split], state.recurrent, state.conv)
+            out2, _ = self._mix(x_BTD[:, split:], *mid)
+            return torch.cat([out1, out2], dim=1), state.advanced(*mid)
+        out, (recurrent, conv_tail) = self._mix(x_BTD, state.recurrent, state.conv)
+        return out, state.advanced(recurrent, conv_tail)
+
+    def _mix(self, x_BTD: torch.Tensor, recurrent: torch.Tensor,
+             conv: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The layer over x from (recurrent, conv tail): (output [B, T, D], (recurrent, conv tail) after x)."""
         B, T, _ = x_BTD.shape
-        mixed, conv_tail = ops.causal_conv(ops.linear(x_BTD, self.in_proj_qkv.weight),
-                                           self.conv1d.weight[:, 0], state.conv)  # [B, T, C]
+        mixed, conv_tail = ops.short_conv(ops.linear(x_BTD, self.in_proj_qkv.weight),
+                                          self.conv1d.weight[:, 0], conv)  # [B, T, C]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        # L2 norm in fp32, then each key head serves Hv/Hk consecutive value heads.
+        # L2 norm in fp32; each key head serves Hv/Hk consecutive value heads (grouped inside the kernel).
         q = ops.l2norm(q.reshape(B, T, self.Hk, self.Dk).float())
         k = ops.l2norm(k.reshape(B, T, self.Hk, self.Dk).float())
-        if self.Hv != self.Hk:
-            q = q.repeat_interleave(self.Hv // self.Hk, dim=2)
-            k = k.repeat_interleave(self.Hv // self.Hk, dim=2)
         v = v.reshape(B, T, self.Hv, self.Dv)
         beta = torch.sigmoid(ops.linear(x_BTD, self.in_proj_b.weight))  # [B, T, Hv]
         # fp32: exp(A_log) and softplus overflow or lose the decay's precision in bf16.
         g = -self.A_log.float().exp() * F.softplus(ops.linear(x_BTD, self.in_proj_a.weight).float()
                                                    + self.dt_bias.float())
-        o, recurrent = ops.gdn(q, k, v, g, beta, state.recurrent)  # [B, T, Hv, Dv] fp32
+        o, recurrent = ops.gated_delta_rule(q, k, v, g, beta, recurrent)  # [B, T, Hv, Dv]
         z = ops.linear(x_BTD, self.in_proj_z.weight).reshape(B, T, self.Hv, self.Dv)
         o = self.norm(o.to(x_BTD.dtype), z).reshape(B, T, self.value_dim)
-        return ops.linear(o, self.out_proj.weight), state.advanced(recurrent, conv_tail)
+        return ops.linear(o, self.out_proj.weight), (recurrent, conv_tail)
 
 
 @dataclass
@@ -95,6 +104,16 @@ class AttentionContext:
     sin: torch.Tensor  # [B, T, R]
     visible_until: torch.Tensor  # [B, T] last key position each query may see (causal: itself; block: block end)
     window: int  # a query at p sees keys at positions >= p - window + 1
+    all_visible: bool = False  # known on the host: every key is visible to every query (no mask needed)
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, key_pos: torch.Tensor) -> ops.AttentionMask:
+        """The mask over these keys; layers whose keys sit at the same positions share one (built once)."""
+        key = (key_pos.data_ptr(), tuple(key_pos.shape), tuple(key_pos.stride()))
+        if key not in self._masks:
+            self._masks[key] = ops.AttentionMask(key_pos, self.q_pos, self.visible_until, self.window,
+                                                 self.all_visible)
+        return self._masks[key]
 
 
 class GatedAttention(nn.Module):
@@ -119,9 +138,7 @@ class GatedAttention(nn.Module):
         q, k = ops.apply_rope(q, ctx.cos, ctx.sin), ops.apply_rope(k, ctx.cos, ctx.sin)
 
         keys, values, key_pos, state = state.extended(k, v, ctx.q_pos)  # [B, Hkv, S, Dh], [B, S]
-        kp = key_pos[:, None, :]
-        mask = (kp >= 0) & (kp <= ctx.visible_until[:, :, None]) & (kp > ctx.q_pos[:, :, None] - ctx.window)
-        out = ops.attention(q, keys, values, mask)  # [B, H, T, Dh]
+        out = ops.attention(q, keys, values, ctx.mask(key_pos))  # [B, H, T, Dh]
         out = out.transpose(1, 2).reshape(B, T, self.H * self.Dh) * torch.sigmoid(gate.reshape(B, T, -1))
         return ops.linear(out, self.o_proj.weight), state
 

@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from . import kernels
 
 # ---- matmul policy ------------------------------------------------------------------------------------------
 
@@ -256,11 +261,30 @@ def gdn_chunked(
     return out.transpose(1, 2), S
 
 
-def gdn(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule, choosing the kernel: recurrence for a single token, chunked otherwise."""
-    if q.shape[1] == 1:
-        return gdn_recurrent(q, k, v, g, beta, state)
-    return gdn_chunked(q, k, v, g, beta, state)
+def gated_delta_rule(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, g_BTH: torch.Tensor,
+                     beta_BTH: torch.Tensor, state_BHKV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over key heads q, k (L2-normalised) and value heads v, from `state` (never written).
+
+    fla's Triton kernels on CUDA when selected (kernels.py); else ours: the recurrence for one token, chunked
+    otherwise, with each key head repeated over its Hv / Hk value heads.
+    """
+    fla = kernels.fla_for(q_BTHK)
+    if fla is not None:
+        return fla.gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV)
+    groups = v_BTHV.shape[2] // q_BTHK.shape[2]
+    if groups > 1:
+        q_BTHK, k_BTHK = q_BTHK.repeat_interleave(groups, dim=2), k_BTHK.repeat_interleave(groups, dim=2)
+    if q_BTHK.shape[1] == 1:
+        return gdn_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV)
+    return gdn_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV)
+
+
+def short_conv(x_BTC: torch.Tensor, w_CK: torch.Tensor, tail_BKC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU carrying the tail: fla's Triton kernel on CUDA when selected, else ours."""
+    fla = kernels.fla_for(x_BTC)
+    if fla is not None:
+        return fla.causal_conv(x_BTC, w_CK, tail_BKC)
+    return causal_conv(x_BTC, w_CK, tail_BKC)
 
 
 # ---- attention ----------------------------------------------------------------------------------------------
@@ -269,9 +293,81 @@ def gdn(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
 ATTENTION_Q_TILE = 512  # queries per SDPA call when a long mask has key ranges nobody in the tile sees
 
 
-def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, mask_BTS: torch.Tensor, *,
-              q_tile: int = ATTENTION_Q_TILE) -> torch.Tensor:
-    """Softmax attention with grouped KV heads and a boolean mask (True = may attend). Returns [B, H, T, D].
+@dataclass
+class AttentionMask:
+    """Which keys each query sees, from positions: key_pos >= 0 (-1: an empty entry), key_pos <= visible_until
+    (causal: the query itself; block-causal: the end of its block) and key_pos > q_pos - window.
+
+    all_visible: the caller knows on the host that every key is visible to every query (equal-length rows inside
+    the window, a denoising block or one decode token): attention then needs no mask at all.
+    The dense mask (CPU) and flex's block mask (CUDA) are each built at most once per forward, on first use, and
+    shared by every attention layer (their keys sit at the same positions).
+    """
+
+    key_pos: torch.Tensor  # [B, S]
+    q_pos: torch.Tensor  # [B, T]
+    visible_until: torch.Tensor  # [B, T]
+    window: int
+    all_visible: bool = False
+    _dense: torch.Tensor | None = None
+    _block: Any = None
+
+    def dense(self) -> torch.Tensor:
+        """Boolean [B, T, S], True = may attend."""
+        if self._dense is None:
+            kp = self.key_pos[:, None, :]
+            self._dense = ((kp >= 0) & (kp <= self.visible_until[:, :, None])
+                           & (kp > self.q_pos[:, :, None] - self.window))
+        return self._dense
+
+    def mask_mod(self) -> Callable:
+        key_pos, q_pos, visible_until, window = self.key_pos, self.q_pos, self.visible_until, self.window
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            kp = key_pos[b, kv_idx]
+            return (kp >= 0) & (kp <= visible_until[b, q_idx]) & (kp > q_pos[b, q_idx] - window)
+
+        return mask_mod
+
+    def block_mask(self) -> Any:
+        """flex_attention's BlockMask: key blocks nobody in a query block sees are skipped, and no dense T x S mask
+        is ever materialised (compiled on CUDA)."""
+        if self._block is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            B, T = self.q_pos.shape
+            self._block = create_block_mask(self.mask_mod(), B, None, T, self.key_pos.shape[1],
+                                            device=self.key_pos.device, _compile=self.key_pos.is_cuda)
+        return self._block
+
+
+def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """Softmax attention with grouped KV heads. Returns [B, H, T, D].
+
+    - every key visible (known on the host): one SDPA call without a mask;
+    - CUDA: flex_attention with the block mask (compiled), so skipped key blocks cost nothing and no dense mask
+      is built;
+    - otherwise (CPU, the reference): SDPA with the dense boolean mask, in query tiles (`attention_dense`).
+    """
+    if mask.all_visible:
+        return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD,
+                                              enable_gqa=q_BHTD.shape[1] != k_BHSD.shape[1])
+    if q_BHTD.is_cuda:
+        return _flex()(q_BHTD, k_BHSD, v_BHSD, block_mask=mask.block_mask(),
+                       enable_gqa=q_BHTD.shape[1] != k_BHSD.shape[1])
+    return attention_dense(q_BHTD, k_BHSD, v_BHSD, mask.dense())
+
+
+@functools.cache
+def _flex() -> Callable:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def attention_dense(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, mask_BTS: torch.Tensor, *,
+                    q_tile: int = ATTENTION_Q_TILE) -> torch.Tensor:
+    """Softmax attention with grouped KV heads and a dense boolean mask (True = may attend). Returns [B, H, T, D].
 
     SDPA computes every (query, key) score a mask allows or not. For long inputs the queries are cut into tiles of
     `q_tile`, and each tile runs against only the key range [first, last] any of its queries may see: causal and

@@ -17,6 +17,8 @@ Notable choices:
   A reading row's new keys land in its ring at positions >= its committed length: a scratch area that no
   committed query sees and that the next step of that row overwrites. A reading row's committed entries and GDN
   state are never written.
+- A forward may commit only its first `commit_tokens` tokens (a finished block) and read the rest (the next block's
+  first denoising step): GDN layers then run the two parts as two kernel calls and keep the state between them.
 - Per-slot bytes follow from the config (`slot_bytes`), so the engine admits only as many sequences as its memory
   budget holds.
 """
@@ -64,8 +66,9 @@ def slot_bytes(config: CloverConfig, dtype: torch.dtype, *, window: int, max_for
         conv=n_gdn * (config.linear_conv_kernel_dim - 1) * conv_channels * itemsize,
         kv=n_attn * 2 * config.num_key_value_heads * R * config.head_dim * itemsize,
         positions=R * 8 + 8,
-        # the step's logits [block, V] in the model dtype and as fp32 probabilities, plus saved logits
-        block=(block * (itemsize + 8) + shift * 4) * config.vocab_size + block * 16,
+        # a step's logits over two blocks (a merged commit) in the model dtype, one block's as fp32 probabilities,
+        # plus the saved logits
+        block=(block * (2 * itemsize + 8) + shift * 4) * config.vocab_size + block * 16,
     )
 
 
@@ -128,20 +131,23 @@ class SlotState:
         key_pos.masked_fill_(key_pos >= length, -1)  # a denoising step's scratch keys were not copied
         self.positions[dst] = self.positions[src]
 
-    def rows(self, start: int, lengths: list[int], tokens: int, commit: list[int] | None) -> SlotRows:
+    def rows(self, start: int, lengths: list[int], tokens: int, commit: list[int] | None,
+             commit_tokens: int | None = None) -> SlotRows:
         """The view of slots [start, start + len(lengths)) for one forward of `tokens` new tokens per row.
 
         lengths: each row's committed tokens (kept by the caller on the host, so no read-back is needed).
         commit: the rows (0-based within the range) whose state this forward advances; None: all of them.
+        commit_tokens: how many of the new tokens the committing rows commit (default: all); the rest are read
+        only (a finished block committed together with the next block's first denoising step).
         """
-        return SlotRows(self, start, lengths, tokens, commit)
+        return SlotRows(self, start, lengths, tokens, commit, commit_tokens)
 
 
 class SlotRows:
     """Slots [start, start + B) during one forward: per-layer views that the model's layers read and write."""
 
     def __init__(self, state: SlotState, start: int, lengths: list[int], tokens: int,
-                 commit: list[int] | None) -> None:
+                 commit: list[int] | None, commit_tokens: int | None = None) -> None:
         B = len(lengths)
         if B < 1 or start < 0 or start + B > state.num_slots:
             raise ValueError(f"rows [{start}, {start + B}) are outside the {state.num_slots} slots")
@@ -149,6 +155,10 @@ class SlotRows:
             raise ValueError(f"a forward of {tokens} tokens does not fit the ring ({state.capacity} entries for "
                              f"window {state.window})")
         self.state, self.start, self.end, self.tokens = state, start, start + B, tokens
+        self.lengths = list(lengths)
+        self.commit_tokens = tokens if commit_tokens is None else commit_tokens
+        if not 0 < self.commit_tokens <= tokens:
+            raise ValueError(f"commit_tokens must be in [1, {tokens}], got {commit_tokens}")
         self.window = state.window
         self.all_commit = commit is None or len(commit) == B
         # absolute slot indices of committing rows, and their rows in this forward (None: every row commits)
@@ -161,6 +171,16 @@ class SlotRows:
     @property
     def positions(self) -> torch.Tensor:
         return self.state.positions[self.start:self.end]  # [B] view
+
+    def all_visible(self, attention: str, block_size: int) -> bool:
+        """Whether every query of this forward sees every key it reads, known from the host lengths alone: rows of
+        one length L, nothing wrapped or outside the window (L + T <= ring and window), and the new tokens either
+        one token (causal) or one whole aligned block (block-causal sees its block). Attention then needs no mask.
+        """
+        L, T = self.lengths[0], self.tokens
+        if any(n != L for n in self.lengths) or L + T > min(self.state.capacity, self.window):
+            return False
+        return T == 1 or (attention == "block_causal" and T == block_size and L % block_size == 0)
 
     def write_key_positions(self, q_pos_BT: torch.Tensor) -> None:
         """Record the new tokens' positions in the ring (shared by every attention layer)."""
@@ -175,9 +195,9 @@ class SlotRows:
         """Advance the committing rows' positions: their new keys become committed."""
         pos = self.positions
         if self.all_commit:
-            pos.add_(self.tokens)
+            pos.add_(self.commit_tokens)
         elif self.any_commit:
-            pos.index_add_(0, self.commit_local, torch.full_like(self.commit_local, self.tokens))
+            pos.index_add_(0, self.commit_local, torch.full_like(self.commit_local, self.commit_tokens))
 
     def write_rows(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
         """Write `new` [B, ...] into buffer[start:end] for the committing rows only."""
@@ -193,6 +213,8 @@ class GDNSlots:
 
     def __init__(self, rows: SlotRows, index: int) -> None:
         self.rows, self.index = rows, index
+        # the state after this many new tokens is what committing rows keep (the rest are read only)
+        self.commit_tokens = rows.commit_tokens
 
     @property
     def recurrent(self) -> torch.Tensor:

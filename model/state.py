@@ -34,6 +34,9 @@ class GDNLayerState(Protocol):
     @property
     def conv(self) -> torch.Tensor: ...  # [B, Kc-1, C]
 
+    @property
+    def commit_tokens(self) -> int | None: ...  # keep the state after this many new tokens (None: after all)
+
     def advanced(self, recurrent: torch.Tensor, conv: torch.Tensor) -> GDNLayerState: ...
 
 
@@ -48,6 +51,7 @@ class AttentionLayerState(Protocol):
 class GDNState:
     recurrent: torch.Tensor  # [B, Hv, Dk, Dv] fp32
     conv: torch.Tensor  # [B, Kc-1, C] the last Kc-1 conv inputs
+    commit_tokens = None  # the functional state always advances over every new token
 
     def select(self, idx: torch.Tensor) -> GDNState:
         return GDNState(self.recurrent[idx], self.conv[idx])

@@ -242,3 +242,36 @@ def test_engine_loop_serves_concurrent_batches_and_isolates_a_failing_request(mo
     assert isinstance(results[2], RuntimeError) and "kernel failure" in str(results[2])
     for i in (0, 1, 3, 4):
         assert results[i].tokens == generate(model, [prompts[i]], options)[0].tokens
+
+
+@pytest.mark.parametrize("mode", ["threshold", "fixed-k3", "sampling", "logits-shift"])
+def test_merged_commits_equal_separate_commits(models, mode):
+    """A finished block committed in the same forward as the next block's first denoising step gives exactly the
+    tokens of the separate commit, one forward fewer per committed block."""
+    if mode == "logits-shift":
+        model = load_model("tiny")
+        d = model.config.diffusion
+        model.config = model.config.replace(diffusion=type(d)(d.block_size, d.mask_token_id, logits_shift=True))
+        options = MODES["fixed-k3"][1]
+    else:
+        name, options = MODES[mode]
+        model = models[name]
+    schedule = {0: ["a", "long"], 3: ["c", "b"], 8: ["d"]}
+    separate = _run(Engine(model, options, max_slots=4, merge_commits=False), schedule, options)
+    merged_engine = Engine(model, options, max_slots=4, merge_commits=True)
+    merged = _run(merged_engine, schedule, options)
+    assert merged_engine.merge_commits and not Engine(model, options, max_slots=1).merge_commits  # CPU default: off
+    commits_seen = 0
+    for key, gen in separate.items():
+        assert merged[key].tokens == gen.tokens, key
+        assert merged[key].denoising_steps == gen.denoising_steps, key
+        commits = gen.forward_passes - merged[key].forward_passes  # separate: prefill + steps + commits
+        assert commits == gen.forward_passes - gen.denoising_steps - _prefill_forwards(key, options)
+        commits_seen += commits
+    assert commits_seen > 0
+
+
+def _prefill_forwards(key: str, options: DecodeOptions) -> int:
+    """Prefill pieces of a prompt: up to its last whole 8-token block, in 16-token chunks."""
+    whole = len(PROMPTS[key]) // 8 * 8
+    return -(-whole // options.prefill_chunk_tokens)

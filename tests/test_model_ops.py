@@ -5,6 +5,8 @@ Tolerances are relative to the reference's magnitude and every comparison first 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -189,7 +191,7 @@ def test_attention_equals_reference(H, Hkv, T, S):
     k, v = torch.randn(2, Hkv, S, 12, generator=gen), torch.randn(2, Hkv, S, 12, generator=gen)
     mask = torch.rand(2, T, S, generator=gen) > 0.4
     mask[..., -1] = True  # every query sees at least one key
-    assert_close(ops.attention(q, k, v, mask), ops.attention_reference(q, k, v, mask), 1e-5)
+    assert_close(ops.attention_dense(q, k, v, mask), ops.attention_reference(q, k, v, mask), 1e-5)
 
 
 def _mask(kind: str, T: int, cached: int, B: int = 2) -> torch.Tensor:
@@ -216,7 +218,7 @@ def test_tiled_attention_equals_reference(kind, T, cached, q_tile, dtype):
     q = torch.randn(2, 4, T, 16, generator=gen).to(dtype)
     k, v = torch.randn(2, 2, S, 16, generator=gen).to(dtype), torch.randn(2, 2, S, 16, generator=gen).to(dtype)
     mask = _mask(kind, T, cached)
-    ours = ops.attention(q, k, v, mask, q_tile=q_tile)
+    ours = ops.attention_dense(q, k, v, mask, q_tile=q_tile)
     assert ours.dtype == dtype
     assert_close(ours.float(), ops.attention_reference(q, k, v, mask).float(), 1e-5 if dtype == torch.float32 else 2e-2)
 
@@ -256,3 +258,68 @@ def test_rms_norm_is_zero_centred():
     rms = (12.5 + 1e-6) ** 0.5
     torch.testing.assert_close(ops.rms_norm(x, torch.zeros(2), 1e-6), x / rms)
     torch.testing.assert_close(ops.rms_norm(x, torch.tensor([1.0, -1.0]), 1e-6), torch.tensor([[6.0, 0.0]]) / rms)
+
+
+MASK_CASES = {
+    # name: (key positions per row [B, S] with -1 empty, query start per row, T, attention, window)
+    "causal-prefix": ([list(range(40)), list(range(25)) + [-1] * 15], [32, 17], 8, "causal", 1000),
+    "block-causal": ([list(range(48)), list(range(48))], [40, 40], 8, "block_causal", 1000),
+    "window": ([list(range(64)), list(range(64))], [56, 50], 8, "causal", 20),
+    "ring-wrapped": ([list(range(40, 64)) + list(range(24, 40)), list(range(40))], [56, 32], 8, "causal", 24),
+}
+
+
+def _attention_mask(case: str) -> ops.AttentionMask:
+    key_pos, starts, T, attention, window = MASK_CASES[case]
+    q_pos = torch.tensor(starts)[:, None] + torch.arange(T)
+    visible = q_pos if attention == "causal" else (q_pos // 8 + 1) * 8 - 1
+    return ops.AttentionMask(torch.tensor(key_pos), q_pos, visible, window)
+
+
+@pytest.mark.parametrize("case", MASK_CASES)
+def test_flex_block_mask_attention_equals_the_dense_reference(case):
+    """The CUDA path (flex_attention with the block mask built from positions) against the dense reference; on
+    CPU flex runs unfused, which checks the mask it is given."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    mask = _attention_mask(case)
+    B, T = mask.q_pos.shape
+    S = mask.key_pos.shape[1]
+    gen = torch.Generator().manual_seed(S)
+    q = torch.randn(B, 4, T, 16, generator=gen)
+    k, v = torch.randn(B, 2, S, 16, generator=gen), torch.randn(B, 2, S, 16, generator=gen)
+    ref = ops.attention_reference(q, k, v, mask.dense())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex without torch.compile warns that it is unfused
+        flex = flex_attention(q, k, v, block_mask=mask.block_mask(), enable_gqa=True)
+    assert_close(flex, ref, 1e-5)
+    assert_close(ops.attention(q, k, v, mask), ref, 1e-5)  # the CPU dispatch: dense
+    assert mask.block_mask() is mask.block_mask()  # built once, shared by the layers
+
+
+def test_mask_free_attention_is_claimed_only_when_every_key_is_visible():
+    """SlotRows.all_visible decides on the host that a forward needs no mask; wherever it says so, the dense mask
+    built from the ring's real key positions is all True, and SDPA without a mask equals the masked one."""
+    from clover_batch.model import load_config
+    from clover_batch.model.slots import SlotState
+
+    cfg = load_config("tiny")
+    claimed = 0
+    for lengths, T, attention, window in [([16, 16], 8, "block_causal", 64), ([16, 16], 1, "causal", 64),
+                                          ([16, 24], 8, "block_causal", 64), ([16, 16], 8, "causal", 64),
+                                          ([60, 60], 8, "block_causal", 64), ([12, 12], 8, "block_causal", 64),
+                                          ([0], 16, "block_causal", 64)]:
+        state = SlotState(cfg, 2, window=window, max_forward_tokens=16)
+        for slot, n in enumerate(lengths):
+            if n:
+                state.key_pos[slot, :n] = torch.arange(n)
+            state.positions[slot] = n
+        rows = state.rows(0, lengths, T, None)
+        q_pos = rows.positions[:, None] + torch.arange(T)
+        rows.write_key_positions(q_pos)
+        visible = q_pos if attention == "causal" else (q_pos // 8 + 1) * 8 - 1
+        mask = ops.AttentionMask(state.key_pos[:len(lengths), :rows.read], q_pos, visible, window)
+        if rows.all_visible(attention, 8):
+            claimed += 1
+            assert bool(mask.dense().all()), (lengths, T, attention)
+    assert claimed == 2  # the aligned denoising block and the single decode token of equal rows

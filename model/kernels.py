@@ -1,0 +1,138 @@
+"""Which kernels run the Gated DeltaNet layers: flash-linear-attention's Triton kernels or our torch kernels.
+
+    CLOVER_KERNELS=auto (default): fla on CUDA tensors when fla-core is installed, else torch
+    CLOVER_KERNELS=torch: our torch kernels everywhere (the reference, and the CPU path)
+    CLOVER_KERNELS=fla: fla on CUDA tensors; an error if fla-core cannot be imported
+
+Notable choices:
+- The choice is made once per process, logged once, and reported by `describe()` (model inspect, run report).
+- With `auto` on a machine without CUDA, fla is never imported: triton stays out of CPU processes (with fla and
+  triton importable on a CPU machine, transformers' Qwen3.5 reference crashes).
+- Every call into fla lives in `FlaKernels`, with fla's conventions written out once: layout [B, T, H, K]; value
+  heads grouped natively (q and k keep the key heads; value head j reads key head j // (Hv / Hk), as our
+  repeat_interleave does); g is the log-space decay in fp32; beta is after the sigmoid; every argument by keyword
+  (the fused recurrent kernel's 5th positional parameter is `gk`, not beta); the recurrent state is fp32;
+  `initial_state` is read, never written (a denoising step must leave the committed state untouched); fla's conv
+  state is the last Kc inputs [N, C, Kc] while ours is the last Kc-1 [N, Kc-1, C], converted at the call.
+- The functions are injected, so tests can run these exact calls against stand-ins on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+KERNELS_ENV = "CLOVER_KERNELS"
+CHOICES = ("auto", "torch", "fla")
+FUSED_RECURRENT_MAX_TOKENS = 64  # up to this many tokens (denoising steps, AR decode) the fused recurrent kernel
+
+
+@dataclass(frozen=True)
+class FlaKernels:
+    """Our calls into flash-linear-attention (fla-core), in one place."""
+
+    chunk_gated_delta_rule: Callable[..., Any]
+    fused_recurrent_gated_delta_rule: Callable[..., Any]
+    causal_conv1d: Callable[..., Any]
+    version: str = "stand-in"
+
+    @classmethod
+    def load(cls) -> FlaKernels:
+        try:
+            import fla
+            from fla.modules.causal_conv1d import causal_conv1d
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        except ImportError as e:
+            raise RuntimeError(f"{KERNELS_ENV} asks for fla, but flash-linear-attention cannot be imported ({e}); "
+                               f"install it with: pip install 'clover-batch[gpu]'") from e
+        return cls(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, causal_conv1d,
+                   version=f"fla-core {getattr(fla, '__version__', '?')}")
+
+    def gated_delta_rule(self, q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor,
+                         g_BTH: torch.Tensor, beta_BTH: torch.Tensor,
+                         state_BHKV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k: L2-normalised, key heads; v: value heads; returns (o [B, T, Hv, V], final state fp32, new)."""
+        kernel = (self.fused_recurrent_gated_delta_rule if q_BTHK.shape[1] <= FUSED_RECURRENT_MAX_TOKENS
+                  else self.chunk_gated_delta_rule)
+        dtype = v_BTHV.dtype  # fla's kernels take q, k, v in one dtype and accumulate in fp32
+        o, final = kernel(q=q_BTHK.to(dtype).contiguous(), k=k_BTHK.to(dtype).contiguous(), v=v_BTHV.contiguous(),
+                          g=g_BTH.float().contiguous(), beta=beta_BTH.to(dtype).contiguous(),
+                          scale=q_BTHK.shape[-1] ** -0.5, initial_state=state_BHKV.float().contiguous(),
+                          output_final_state=True)
+        return o, final
+
+    def causal_conv(self, x_BTC: torch.Tensor, w_CK: torch.Tensor,
+                    tail_BKC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depthwise causal conv + SiLU carrying our tail [B, Kc-1, C]; returns (y [B, T, C], new tail)."""
+        # fla keeps the last Kc inputs, oldest first; the oldest is outside the kernel's reach, so zero is exact
+        initial = F.pad(tail_BKC.transpose(1, 2), (1, 0)).to(x_BTC.dtype).contiguous()  # [B, C, Kc]
+        y, final = self.causal_conv1d(x=x_BTC.contiguous(), weight=w_CK.contiguous(), initial_state=initial,
+                                      output_final_state=True, activation="silu")
+        return y, final[:, :, 1:].transpose(1, 2)
+
+
+_forced: FlaKernels | None = None  # tests: run the fla calls against stand-ins, on any device
+
+
+@functools.cache
+def selected() -> str:
+    """'fla' or 'torch', decided once per process (see the module docstring)."""
+    choice = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"{KERNELS_ENV}={choice!r}: use one of {', '.join(CHOICES)}")
+    if choice == "auto":
+        choice = "fla" if torch.cuda.is_available() and importlib.util.find_spec("fla") is not None else "torch"
+    if choice == "fla":
+        fla_kernels()  # fail now, with the install hint, rather than inside the first forward
+    log.info("Gated DeltaNet kernels: %s", describe_choice(choice))
+    return choice
+
+
+@functools.cache
+def fla_kernels() -> FlaKernels:
+    return FlaKernels.load()
+
+
+def describe_choice(choice: str) -> str:
+    if choice == "fla":
+        triton = importlib.util.find_spec("triton")
+        return f"fla ({fla_kernels().version}, Triton {'present' if triton else 'missing'}) on CUDA, torch elsewhere"
+    return "torch"
+
+
+def describe() -> str:
+    """The kernels this process uses, for reports."""
+    if _forced is not None:
+        return f"fla ({_forced.version}, forced)"
+    return describe_choice(selected())
+
+
+def fla_for(t: torch.Tensor) -> FlaKernels | None:
+    """The fla kernels to use for a tensor on this device, or None for the torch kernels."""
+    if _forced is not None:
+        return _forced
+    if t.device.type == "cuda" and selected() == "fla":
+        return fla_kernels()
+    return None
+
+
+@contextlib.contextmanager
+def forced(kernels: FlaKernels) -> Iterator[None]:
+    """Run the fla path through `kernels` (stand-ins in tests) whatever the device."""
+    global _forced
+    previous, _forced = _forced, kernels
+    try:
+        yield
+    finally:
+        _forced = previous
