@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .clover import CloverModel
+from .graphs import StaticDecode, graphs_wanted
 from .options import DecodeOptions
 from .sampling import pick_tokens, select_block_positions
 from .slots import SlotBytes, SlotState, slot_bytes
@@ -142,10 +143,13 @@ class Engine:
 
     def __init__(self, model: CloverModel, options: DecodeOptions, *, max_slots: int | None = None,
                  memory_budget_bytes: int | None = None, decode_steps_per_prefill: int = 1,
-                 prefill_tokens_per_step: int | None = None, merge_commits: bool | None = None) -> None:
+                 prefill_tokens_per_step: int | None = None, merge_commits: bool | None = None,
+                 cuda_graphs: bool | None = None) -> None:
         """merge_commits: commit a finished block in the same forward as the next block's first denoising step
         (None: on CUDA, where a forward of twice the tokens costs about the same at small batches; off on CPU,
-        where it costs twice the compute)."""
+        where it costs twice the compute). cuda_graphs: replay decode forwards as CUDA graphs (graphs.py; None:
+        on CUDA with bf16 weights unless CLOVER_CUDA_GRAPHS=0; True on a CPU runs the same static-shape step
+        eagerly)."""
         cfg = model.config
         options.check(cfg)
         if max_slots is not None and max_slots < 1:
@@ -169,8 +173,13 @@ class Engine:
         self.num_slots = int(min(max_slots or DEFAULT_MAX_SLOTS, fit))
         self.slots: SlotState | None = None
         dev = model.device
+        self.static: StaticDecode | None = None
         if self.num_slots >= 1:
             self._allocate(max_forward)
+            if graphs_wanted(model) if cuda_graphs is None else cuda_graphs:
+                assert self.slots is not None
+                pad = cfg.diffusion.mask_token_id if cfg.diffusion is not None else 0
+                self.static = StaticDecode(model, self.slots, capture=model.device.type == "cuda", pad_token=pad)
         self._positions = torch.arange(self.block_size, device=dev)
         self._seed_base = options.seed if options.seed is not None else secrets.randbits(62)
         self.waiting: deque[_Live] = deque()
@@ -380,6 +389,18 @@ class Engine:
         self.stats.decode_seconds += dt
         return finished
 
+    def _forward_decode(self, ids: torch.Tensor, commit: list[int] | None, *, commit_tokens: int, attention: str,
+                        keep_logits: int | None) -> torch.Tensor:
+        """A decode forward over slots [0, n): replayed as a static-shape step (CUDA graph) or run directly."""
+        if self.static is not None:
+            return self.static.forward(ids, commit, commit_tokens=commit_tokens, attention=attention,
+                                       keep_logits=keep_logits)
+        assert self.slots is not None
+        rows = self.slots.rows(0, [lv.length for lv in self.decoding], ids.shape[1], commit, commit_tokens)
+        logits = self.model.forward_slots(ids, rows, attention=attention, keep_logits=keep_logits)
+        assert logits is not None
+        return logits
+
     def _take_time(self, lives: list[_Live], start: float) -> None:
         share = (time.perf_counter() - start) / max(1, len(lives))
         for live in lives:
@@ -409,8 +430,7 @@ class Engine:
         self._release(done)
         if self.decoding:
             ids = torch.tensor([[lv.next_token] for lv in self.decoding], dtype=torch.long, device=self.model.device)
-            rows = self.slots.rows(0, [lv.length for lv in self.decoding], 1, None)
-            logits = self.model.forward_slots(ids, rows, attention="causal", keep_logits=1)
+            logits = self._forward_decode(ids, None, commit_tokens=1, attention="causal", keep_logits=1)
             self.logits[:len(self.decoding)] = logits[:, -1].float()
             for live in self.decoding:
                 live.length += 1
@@ -434,9 +454,7 @@ class Engine:
         denoise = list(range(n)) if merge else [i for i, lv in enumerate(lives) if not lv.commit_next]
         block, limit = self.block[:n], self.limit[:n]
         ids = torch.cat([block, torch.full_like(block, d.mask_token_id)], dim=1) if merge else block
-        rows = self.slots.rows(0, [lv.length for lv in lives], ids.shape[1], commit, commit_tokens=bs)
-        logits = self.model.forward_slots(ids, rows, attention="block_causal", keep_logits=None)
-        assert logits is not None
+        logits = self._forward_decode(ids, commit, commit_tokens=bs, attention="block_causal", keep_logits=None)
         self.stats.forwards += 1
         dev = block.device
         readback: list[list[int]] = []

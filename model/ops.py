@@ -291,6 +291,7 @@ def short_conv(x_BTC: torch.Tensor, w_CK: torch.Tensor, tail_BKC: torch.Tensor) 
 
 
 ATTENTION_Q_TILE = 512  # queries per SDPA call when a long mask has key ranges nobody in the tile sees
+FLEX_BLOCK = 128  # flex_attention's query and key block size
 
 
 @dataclass
@@ -329,15 +330,26 @@ class AttentionMask:
 
         return mask_mod
 
-    def block_mask(self) -> Any:
-        """flex_attention's BlockMask: key blocks nobody in a query block sees are skipped, and no dense T x S mask
-        is ever materialised (compiled on CUDA)."""
+    def block_mask(self, block: int = FLEX_BLOCK) -> Any:
+        """flex_attention's BlockMask, built from positions with fixed-shape tensor ops (no host sync, no dense
+        T x S mask): a key block is kept for a query block when one of its keys falls in the interval the block's
+        queries can see, [min(q_pos) - window + 1, max(visible_until)]; `mask_mod` then masks inside kept blocks,
+        and key blocks nobody sees are skipped (the window's far past, empty ring entries, other rows' lengths)."""
         if self._block is None:
-            from torch.nn.attention.flex_attention import create_block_mask
+            from torch.nn.attention.flex_attention import BlockMask
 
-            B, T = self.q_pos.shape
-            self._block = create_block_mask(self.mask_mod(), B, None, T, self.key_pos.shape[1],
-                                            device=self.key_pos.device, _compile=self.key_pos.is_cuda)
+            (B, T), S = self.q_pos.shape, self.key_pos.shape[1]
+            nq, nk = -(-T // block), -(-S // block)
+            pad_q = nq * block - T  # padded queries repeat the last one: they widen no interval
+            lo = F.pad(self.q_pos - self.window + 1, (0, pad_q), mode="replicate").view(B, nq, block).amin(-1)
+            hi = F.pad(self.visible_until, (0, pad_q), mode="replicate").view(B, nq, block).amax(-1)
+            kp = F.pad(self.key_pos, (0, nk * block - S), value=-1).view(B, 1, nk, block)
+            seen = ((kp >= lo[:, :, None, None]) & (kp <= hi[:, :, None, None]) & (kp >= 0)).any(-1)  # [B, nq, nk]
+            counts = seen.sum(-1, dtype=torch.int32)
+            order = torch.argsort((~seen).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # kept blocks first
+            self._block = BlockMask.from_kv_blocks(counts[:, None], order[:, None], BLOCK_SIZE=block,
+                                                   mask_mod=self.mask_mod(), seq_lengths=(T, S),
+                                                   compute_q_blocks=False)
         return self._block
 
 

@@ -167,6 +167,20 @@ class SlotRows:
                                                                     device=state.positions.device)
         self.any_commit = self.all_commit or bool(local)
         self.read = min(state.capacity, max(lengths) + tokens)  # ring prefix holding every key these rows see
+        self.commit_mask: torch.Tensor | None = None  # static rows: which rows commit, on the device
+
+    @classmethod
+    def static(cls, state: SlotState, start: int, rows: int, tokens: int, commit_mask: torch.Tensor,
+               commit_tokens: int | None = None) -> SlotRows:
+        """Rows whose shapes do not depend on their contents (a CUDA graph replays them): the whole ring is read
+        (flex's block mask skips what nobody sees), and which rows commit is a device mask [rows], so the writes
+        are masked copies instead of index lists. Nothing here reads back to the host."""
+        self = cls(state, start, [0] * rows, tokens, None, commit_tokens)
+        self.lengths = None  # unknown on the host: nothing may be decided from them
+        self.read = state.capacity
+        self.all_commit = False
+        self.commit_mask = commit_mask
+        return self
 
     @property
     def positions(self) -> torch.Tensor:
@@ -177,6 +191,8 @@ class SlotRows:
         one length L, nothing wrapped or outside the window (L + T <= ring and window), and the new tokens either
         one token (causal) or one whole aligned block (block-causal sees its block). Attention then needs no mask.
         """
+        if self.lengths is None:
+            return False
         L, T = self.lengths[0], self.tokens
         if any(n != L for n in self.lengths) or L + T > min(self.state.capacity, self.window):
             return False
@@ -194,7 +210,9 @@ class SlotRows:
     def commit(self) -> None:
         """Advance the committing rows' positions: their new keys become committed."""
         pos = self.positions
-        if self.all_commit:
+        if self.commit_mask is not None:
+            pos.add_(self.commit_mask.long() * self.commit_tokens)
+        elif self.all_commit:
             pos.add_(self.commit_tokens)
         elif self.any_commit:
             pos.index_add_(0, self.commit_local, torch.full_like(self.commit_local, self.commit_tokens))
@@ -202,7 +220,10 @@ class SlotRows:
     def write_rows(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
         """Write `new` [B, ...] into buffer[start:end] for the committing rows only."""
         view = buffer[self.start:self.end]
-        if self.all_commit:
+        if self.commit_mask is not None:
+            keep = self.commit_mask.view(-1, *[1] * (new.dim() - 1))
+            view.copy_(torch.where(keep, new.to(view.dtype), view))
+        elif self.all_commit:
             view.copy_(new)
         elif self.any_commit:
             view.index_copy_(0, self.commit_local, new.index_select(0, self.commit_local).to(view.dtype))

@@ -275,3 +275,22 @@ def _prefill_forwards(key: str, options: DecodeOptions) -> int:
     """Prefill pieces of a prompt: up to its last whole 8-token block, in 16-token chunks."""
     whole = len(PROMPTS[key]) // 8 * 8
     return -(-whole // options.prefill_chunk_tokens)
+
+
+@pytest.mark.parametrize("mode,merge", [("fixed-k3", False), ("threshold", True), ("autoregressive", False)],
+                         ids=["diffusion", "diffusion-merged", "autoregressive"])
+def test_static_shape_decode_step_equals_the_ordinary_step(models, mode, merge):
+    """The decode step a CUDA graph captures (rows padded to a power of two with the slots after them, commits as a
+    device mask, the whole ring read through masks), run eagerly here: the same tokens as the ordinary step, also
+    while a prompt prefills in a padding slot."""
+    name, options = MODES[mode]
+    model = models[name]
+    schedule = {0: ["a", "c", "b"], 4: ["long"], 9: ["d"]}
+    ordinary = _run(Engine(model, options, max_slots=6, merge_commits=merge, cuda_graphs=False), schedule, options)
+    engine = Engine(model, options, max_slots=6, merge_commits=merge, cuda_graphs=True)
+    static = _run(engine, schedule, options)
+    assert engine.static is not None and not engine.static.capture
+    assert {key[0] for key in engine.static.steps} >= {2, 4}  # padded buckets were used
+    for key, gen in ordinary.items():
+        assert static[key].tokens == gen.tokens, key
+        assert static[key].denoising_steps == gen.denoising_steps, key

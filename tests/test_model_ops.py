@@ -295,6 +295,14 @@ def test_flex_block_mask_attention_equals_the_dense_reference(case):
     assert_close(flex, ref, 1e-5)
     assert_close(ops.attention(q, k, v, mask), ref, 1e-5)  # the CPU dispatch: dense
     assert mask.block_mask() is mask.block_mask()  # built once, shared by the layers
+    # small blocks: several query and key blocks, some skipped entirely
+    small = _attention_mask(case).block_mask(block=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_close(flex_attention(q, k, v, block_mask=small, enable_gqa=True), ref, 1e-5)
+    if case != "block-causal":  # there every query sees every key
+        kept = small.kv_num_blocks.sum().item()
+        assert kept < B * -(-T // 4) * -(-S // 4), "no key block was skipped"
 
 
 def test_mask_free_attention_is_claimed_only_when_every_key_is_visible():
