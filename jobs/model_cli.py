@@ -135,6 +135,9 @@ def architecture_table(source: str) -> Table:
         ("vocabulary", f"{cfg.vocab_size}, eos {list(cfg.eos_token_ids)}, "
                        f"{'tied' if cfg.tie_word_embeddings else 'separate'} lm_head"),
     ]
+    from clover_batch.model import kernels
+
+    rows.append(("kernels", f"{kernels.describe()} ({kernels.KERNELS_ENV}=torch|fla|auto chooses)"))
     for field, value in rows:
         table.add_row(field, value)
     return table

@@ -180,6 +180,7 @@ def _run_locked(spec: JobSpec, opts: PipelineOptions, run_id: str, address: str 
             on_progress(progress)
         totals: dict[str, float] = dict.fromkeys((*STAGES, "write"), 0.0)
         tokens_in = tokens_out = decode_batch = 0
+        kernel_names: set[str] = set()
         if pending:
             for batch in build_pipeline(pending, opts).iter_batches(batch_size=None, batch_format="pyarrow"):
                 for row in batch.to_pylist():
@@ -188,6 +189,8 @@ def _run_locked(spec: JobSpec, opts: PipelineOptions, run_id: str, address: str 
                     tokens_in += row["input_tokens"] or 0
                     tokens_out += row["output_tokens"] or 0
                     decode_batch = max(decode_batch, row["decode_batch"] or 0)
+                    if row["kernels"]:
+                        kernel_names.add(row["kernels"])
                     for stage, seconds in (row["timings"] or {}).items():
                         totals[stage] += seconds or 0.0
                     totals["write"] += row["write_seconds"] or 0.0
@@ -215,6 +218,7 @@ def _run_locked(spec: JobSpec, opts: PipelineOptions, run_id: str, address: str 
             "documents_per_second": progress.done / wall if wall > 0 else 0.0,
             "output_tokens_per_second": tokens_out / wall if wall > 0 else 0.0,
             "max_decode_batch": decode_batch,  # most documents one replica decoded together
+            "kernels": sorted(kernel_names),  # what the replicas ran: fla or torch kernels, CUDA graphs, dtype
             "stage_seconds": totals,
             "job": spec.model_dump(
                 mode="json",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from . import kernels
 from .clover import CloverModel
 from .config import CloverConfig, ConfigError, DiffusionConfig, from_preset, is_preset
 from .engine import Engine, EngineCapacityError, EngineStats, Generation, Request
@@ -45,6 +46,7 @@ __all__ = [
     "from_preset",
     "generate",
     "is_preset",
+    "kernels",
     "load_config",
     "load_model",
     "save_checkpoint",

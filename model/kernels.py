@@ -82,7 +82,7 @@ class FlaKernels:
         return y, final[:, :, 1:].transpose(1, 2)
 
 
-_forced: FlaKernels | None = None  # tests: run the fla calls against stand-ins, on any device
+_forced: FlaKernels | str | None = None  # "torch", or fla kernels (stand-ins in tests) for every device
 
 
 @functools.cache
@@ -113,14 +113,18 @@ def describe_choice(choice: str) -> str:
 
 def describe() -> str:
     """The kernels this process uses, for reports."""
-    if _forced is not None:
+    if _forced == "torch":
+        return "torch (forced)"
+    if isinstance(_forced, FlaKernels):
         return f"fla ({_forced.version}, forced)"
     return describe_choice(selected())
 
 
 def fla_for(t: torch.Tensor) -> FlaKernels | None:
     """The fla kernels to use for a tensor on this device, or None for the torch kernels."""
-    if _forced is not None:
+    if _forced == "torch":
+        return None
+    if isinstance(_forced, FlaKernels):
         return _forced
     if t.device.type == "cuda" and selected() == "fla":
         return fla_kernels()
@@ -128,8 +132,9 @@ def fla_for(t: torch.Tensor) -> FlaKernels | None:
 
 
 @contextlib.contextmanager
-def forced(kernels: FlaKernels) -> Iterator[None]:
-    """Run the fla path through `kernels` (stand-ins in tests) whatever the device."""
+def forced(kernels: FlaKernels | str) -> Iterator[None]:
+    """Run the fla path through `kernels` (stand-ins in tests) whatever the device, or "torch": our kernels
+    everywhere (to compare the two paths in one process)."""
     global _forced
     previous, _forced = _forced, kernels
     try:

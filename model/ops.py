@@ -57,11 +57,15 @@ def grouped_mm(x_NK: torch.Tensor, w_EOK: torch.Tensor, offs_E: torch.Tensor) ->
     if _upcast(x_NK):
         x_NK, w_EOK = x_NK.float(), w_EOK.float()
     w_EKO = w_EOK.transpose(1, 2)
-    if not (_strides_16b(x_NK) and _strides_16b(w_EKO)):
+    if _GROUPED_MM is None or not (_strides_16b(x_NK) and _strides_16b(w_EKO)):
         # torch's grouped GEMM rejects operands whose strides are not multiples of 16 bytes (e.g. an expert width
-        # of 14 in fp32); such small odd shapes take the loop.
+        # of 14 in fp32); such small odd shapes take the loop, as does a torch without the grouped GEMM.
         return grouped_mm_reference(x_NK, w_EOK, offs_E).to(out_dtype)
-    return F.grouped_mm(x_NK, w_EKO, offs=offs_E).to(out_dtype)
+    return _GROUPED_MM(x_NK, w_EKO, offs=offs_E).to(out_dtype)
+
+
+# public from torch 2.10 (the GPU image may have an older torch, with only the private operator)
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 class PaddedGroups:

@@ -251,6 +251,27 @@ def init_random_weights(model: CloverModel, *, seed: int, dtype: torch.dtype, de
     model.load_state_dict(state, strict=True, assign=True)
 
 
+def init_random_weights_on_device(model: CloverModel, *, seed: int, dtype: torch.dtype,
+                                  device: torch.device) -> None:
+    """The same kinds of values as `init_random_weights`, drawn on the device from one generator: for benchmark
+    shapes too large to draw on the host (35B parameters); not reproducible across expert splits."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        t = torch.empty(p.shape, device=device, dtype=torch.float32 if leaf == "A_log" else dtype)
+        if name.endswith("linear_attn.norm.weight") or leaf == "dt_bias":
+            t.fill_(1.0)
+        elif name.endswith("norm.weight"):
+            t.zero_()
+        elif leaf == "A_log":
+            t = t.uniform_(1.0, 16.0, generator=gen).log_().to(dtype)
+        else:
+            t.normal_(0.0, 0.02, generator=gen)
+        state[name] = t
+    model.load_state_dict(state, strict=True, assign=True)
+
+
 def checkpoint_tensors(model: CloverModel, *, per_expert: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Our parameters under the names Qwen3.5-MoE checkpoints use (experts packed or per expert)."""
     for name, p in model.named_parameters():

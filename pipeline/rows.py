@@ -54,6 +54,7 @@ WORK_SCHEMA = pa.schema(
         pa.field("prompt_ids", pa.list_(pa.int32())),  # tokenize -> infer
         pa.field("output_ids", pa.list_(pa.int32())),  # infer -> postprocess
         pa.field("decode_batch", pa.int32()),  # infer -> stats: most documents decoded together with this one
+        pa.field("kernels", pa.string()),  # infer -> stats: the kernels its replica ran (for the run report)
     ]
 )
 
@@ -65,6 +66,7 @@ STATS_SCHEMA = pa.schema(
         ("output_tokens", pa.int64()),
         ("timings", TIMINGS_TYPE),
         ("decode_batch", pa.int32()),
+        ("kernels", pa.string()),
         ("part_uri", pa.string()),
         ("write_seconds", pa.float64()),
     ]

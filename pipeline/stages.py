@@ -177,7 +177,7 @@ class InferStage:
 
     def __init__(self, model: ModelRef, decode: DecodeOptions, num_threads: int, max_slots: int):
         import torch
-        from clover_batch.model import Engine, load_model
+        from clover_batch.model import Engine, kernels, load_model
         from clover_batch.pipeline.serving import EngineLoop
 
         torch.set_num_threads(max(1, num_threads))
@@ -194,6 +194,8 @@ class InferStage:
         else:
             self.model = load_model(model.local(), device=device, dtype=dtype)
         self.engine = Engine(self.model, decode, max_slots=max_slots)
+        self.kernels = (f"{kernels.describe()}; CUDA graphs {'on' if self.engine.static else 'off'}; "
+                        f"{self.model.dtype} on {device}")
         if self.replica is None:
             self.loop = EngineLoop(self.engine)
         else:  # a dead worker rank: restart the workers, rerun what was in flight
@@ -232,6 +234,7 @@ class InferStage:
                     denoising_steps=gen.denoising_steps,
                     stopped=gen.stopped,
                     decode_batch=gen.decode_batch,
+                    kernels=self.kernels,
                 )
             fault_point("inference")
         yield to_table(rows)
