@@ -389,6 +389,16 @@ class Engine:
         self.stats.decode_seconds += dt
         return finished
 
+    def _emit(self, live: _Live, tokens: list[int]) -> bool:
+        """Append generated tokens up to the first stop token; True when the sequence is finished by it."""
+        cut = next((j for j, t in enumerate(tokens) if t in self.stops), None)
+        live.out.extend(tokens if cut is None else tokens[:cut])
+        if cut is not None:
+            live.stopped = "eos"
+        elif len(live.out) >= live.max_new:
+            live.stopped = "length"
+        return bool(live.stopped)
+
     def _forward_decode(self, ids: torch.Tensor, commit: list[int] | None, *, commit_tokens: int, attention: str,
                         keep_logits: int | None) -> torch.Tensor:
         """A decode forward over slots [0, n): replayed as a static-shape step (CUDA graph) or run directly."""
@@ -419,13 +429,7 @@ class Engine:
         for live, t in zip(self.decoding, tokens, strict=True):
             live.steps += 1
             live.next_token = t
-            if t in self.stops:
-                live.stopped = "eos"
-            else:
-                live.out.append(t)
-                if len(live.out) >= live.max_new:
-                    live.stopped = "length"
-            if live.stopped:
+            if self._emit(live, [t]):
                 done.append(live)
         self._release(done)
         if self.decoding:
@@ -496,16 +500,7 @@ class Engine:
             if readback[i][bs]:  # masks left to fill
                 continue
             lim = min(bs, live.tail + live.max_new - len(live.out))
-            new = readback[i][live.tail:lim]
-            cut = next((j for j, t in enumerate(new) if t in self.stops), None)
-            if cut is not None:
-                live.out.extend(new[:cut])
-                live.stopped = "eos"
-            else:
-                live.out.extend(new)
-                if len(live.out) >= live.max_new:
-                    live.stopped = "length"
-            if live.stopped:
+            if self._emit(live, readback[i][live.tail:lim]):
                 done.append(live)
             else:
                 live.commit_next = True
