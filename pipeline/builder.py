@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
 import ray
-from clover_batch.connectors.fs import DocumentRef, Location
-from clover_batch.pipeline.rows import WORK_SCHEMA, to_table
+from clover_batch.connectors.fs import Location
+from clover_batch.pipeline.rows import work_table
 from clover_batch.pipeline.stages import (
     InferStage,
     ModelRef,
@@ -59,12 +60,13 @@ class PipelineOptions:
     prep_concurrency: int | None = None  # most cheap-stage tasks at once; None: 2 per replica
 
 
-def build_pipeline(docs: list[DocumentRef], opts: PipelineOptions) -> ray.data.Dataset:
-    """The lazy dataset of per-document stats rows; iterating it runs the job."""
-    table = to_table([d.to_row() for d in docs], WORK_SCHEMA)
+def build_pipeline(docs: pa.Table, opts: PipelineOptions) -> ray.data.Dataset:
+    """The lazy dataset of per-document stats rows; iterating it runs the job. `docs`: the pending documents
+    (connectors.fs.DOCUMENT_SCHEMA columns, plus `replaces` for retried ones)."""
+    table = work_table(docs)
     # Small input blocks, so reading and parsing stream into the actors instead of waiting on one big block.
-    step = max(opts.prep_batch_size, -(-len(docs) // 256))
-    ds = ray.data.from_arrow([table.slice(i, step) for i in range(0, len(docs), step)])
+    step = max(opts.prep_batch_size, -(-table.num_rows // 256))
+    ds = ray.data.from_arrow([table.slice(i, step) for i in range(0, table.num_rows, step)])
     fmt = {"batch_format": "pyarrow", "zero_copy_batch": False}
     # A CPU share unlike the actors' keeps Ray from fusing the cheap stages into the actor: parsing then overlaps
     # with decoding instead of queueing behind it.

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from clover_batch.connectors.checkpoint import local_checkpoint
 from clover_batch.connectors.faults import fault_point
 from clover_batch.connectors.fs import Location, read_bytes
-from clover_batch.connectors.sink import write_part
+from clover_batch.connectors.sink import stage_replacement, write_part
 from clover_batch.pipeline.parse_process import parse_isolated
 from clover_batch.pipeline.postprocess import FieldRule, check_extraction, extraction_instruction
 from clover_batch.pipeline.rows import (
@@ -264,16 +265,31 @@ class PostprocessStage:
 
 
 class WriteStage:
-    """Commit each batch as one Parquet part; pass on small stats rows for progress and the run report."""
+    """Commit each batch as one Parquet part; pass on small stats rows for progress and the run report.
+
+    Rows that replace a document's failed row (`run --retry-failed`) are only staged here: the driver swaps them
+    into the parts holding the old rows, one part at a time (connectors.sink.swap_in).
+    """
 
     def __init__(self, output: Location, run_id: str):
         self.output, self.run_id = output, run_id
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         start = time.perf_counter()
-        part = write_part(self.output, batch.select(OUTPUT_SCHEMA.names).cast(OUTPUT_SCHEMA), self.run_id)
+        replaces = pc.fill_null(batch.column("replaces"), False)
+        stats = []
+        for mask, replacing in ((pc.invert(replaces), False), (replaces, True)):
+            rows = batch.filter(mask)
+            if not rows.num_rows:
+                continue
+            out = rows.select(OUTPUT_SCHEMA.names).cast(OUTPUT_SCHEMA)
+            if replacing:
+                part, staged = None, stage_replacement(self.output, out, self.run_id)
+            else:
+                part, staged = write_part(self.output, out, self.run_id), None
+            for row in rows.select([n for n in STATS_SCHEMA.names if n in rows.column_names]).to_pylist():
+                stats.append({**row, "part_uri": part, "replacement": staged})
         seconds = time.perf_counter() - start
-        stats = batch.select([n for n in STATS_SCHEMA.names if n in batch.column_names]).to_pylist()
         for row in stats:
-            row.update(part_uri=part, write_seconds=seconds / max(1, len(stats)))
+            row["write_seconds"] = seconds / max(1, len(stats))
         return to_table(stats, STATS_SCHEMA)
