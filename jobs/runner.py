@@ -168,8 +168,19 @@ def connect_ray(address: str | None) -> Iterator[RayConnection]:
         connection = RayConnection("local", False)
     else:
         check_reachable(address)
-        ray.init(address=address, **options)
-        connection = RayConnection(address, address.startswith("ray://"))
+        client = address.startswith("ray://")
+        for attempt in (1, 2):
+            try:
+                ray.init(address=address, **options)
+                break
+            except ConnectionAbortedError as e:
+                # Ray Client's proxy on the head starts one server process per session; that start occasionally
+                # fails on a busy head ("Starting Ray client server failed"), and a second session usually starts.
+                if not client or attempt == 2:
+                    raise
+                log.warning("Ray Client session at %s failed to start (%s); trying once more", address,
+                            str(e).splitlines()[0])
+        connection = RayConnection(address, client)
     try:
         yield connection
     finally:
@@ -372,6 +383,8 @@ def run(
     run_id = run_id or new_run_id()
     spec = _with_absolute_paths(spec)
     target = ray_address(address)
+    if target is not None and not ray.is_initialized():
+        check_reachable(target)  # a wrong address fails every run, not only those with documents to process
     client = ray.util.client.ray.is_connected() if ray.is_initialized() else (target or "").startswith("ray://")
     if client:
         with connect_ray(target):
