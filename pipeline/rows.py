@@ -23,7 +23,8 @@ STAGES = ("read", "parse", "tokenize", "prefill", "decode", "infer", "postproces
 INFRASTRUCTURE_STATUSES = ("read_error", "inference_error", "internal_error", "crashed")
 # What a document itself can be refused for (pipeline/parse.py, the stages): a re-run would say the same.
 DOCUMENT_STATUSES = ("too_large", "unsupported_format", "empty", "corrupt_pdf", "truncated_pdf", "encrypted",
-                     "no_text", "binary", "decode_error", "too_long", "invalid_output")
+                     "too_many_pages", "parse_timeout", "parse_crashed", "no_text", "binary", "decode_error",
+                     "too_long", "invalid_output")
 STATUSES = ("ok", *INFRASTRUCTURE_STATUSES, *DOCUMENT_STATUSES)
 TIMINGS_TYPE = pa.struct([(s, pa.float64()) for s in STAGES])
 

@@ -166,8 +166,8 @@ def test_ray_batches_feed_one_engine_per_replica(ray_session, tmp_path):
     spec = parse_job(job_raw(str(docs), str(tmp_path / "out"), decode=decode,
                              resources={"batch_size": 2, "max_slots": 8}))
     report = run(spec).report
-    assert report["by_status"] == {"ok": 10}
-    assert report["max_decode_batch"] > 2
+    assert report.by_status == {"ok": 10}
+    assert report.max_decode_batch > 2
     model, builder = load_model("tiny"), PromptBuilder("tiny")
     for row in read_output(Location(str(tmp_path / "out"))).to_pylist():
         ids = builder.build("Summarize.", (docs / os.path.basename(row["source_uri"])).read_text())
