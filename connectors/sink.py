@@ -11,6 +11,7 @@ Layout of an output folder:
     _job.json                        what the rows were made with (model, task, decode); see `check_manifest`
     _lock.json                       the run that holds the output; written only when a run takes it (`OutputLock`)
     _heartbeats/<run_id>.json        the holder's heartbeat
+    _attempts/<doc_id>.json          documents inside a model replica when its process died (connectors/attempts.py)
 Readers (pyarrow datasets, pandas, duckdb on `*.parquet`) see only the committed parts: everything else starts with
 an underscore or lives in a folder that does.
 

@@ -27,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray
+from clover_batch.connectors.attempts import forget_committed
 from clover_batch.connectors.faults import fault_config
 from clover_batch.connectors.fs import Location, list_document_table
 from clover_batch.connectors.sink import (
@@ -218,6 +219,7 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
         gpus_per_replica=spec.resources.gpus_per_replica,
         batch_size=spec.resources.batch_size,
         max_slots=spec.resources.max_slots,
+        max_attempts=spec.input.max_attempts,
         rows_per_file=spec.output.rows_per_file,
         max_file_bytes=spec.input.max_file_bytes,
         max_input_tokens=spec.input.max_input_tokens,
@@ -301,6 +303,7 @@ def plan_run(opts: PipelineOptions, include: list[str], exclude: list[str], *,
     index = read_index(opts.output)
     recovery = recover_staged(opts.output, index.column("doc_id"), opts.run_id, previous_owner)
     index = pa.concat_tables([index, recovery.index])
+    forget_committed(opts.output, index.column("doc_id"))  # attempts of documents with a row no longer matter
     listed = list_document_table(opts.input, include, exclude)
     done = pc.is_in(listed.column("doc_id"), value_set=index.column("doc_id"))
     old_parts: dict[str, str] = {}

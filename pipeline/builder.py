@@ -49,6 +49,7 @@ class PipelineOptions:
     gpus_per_replica: float = 0.0
     batch_size: int = 4  # documents per Ray batch into the infer actors
     max_slots: int = 16  # documents one replica's engine decodes at once
+    max_attempts: int = 2  # process deaths with a document inside before it gets a `crashed` row
     rows_per_file: int = 64
     max_file_bytes: int = 256 * 2**20
     max_input_tokens: int = 1_048_576
@@ -86,6 +87,9 @@ def build_pipeline(docs: pa.Table, opts: PipelineOptions) -> ray.data.Dataset:
                 "decode": opts.decode,
                 "num_threads": max(1, int(opts.cpus_per_replica)),
                 "max_slots": opts.max_slots,
+                "output": opts.output,
+                "run_id": opts.run_id,
+                "max_attempts": opts.max_attempts,
             },
             # Enough Ray batches in flight per actor to fill the engine's slots, plus one queued behind them, so a
             # freed slot is refilled at the next step instead of when a whole batch has finished.
