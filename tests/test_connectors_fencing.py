@@ -25,6 +25,7 @@ from clover_batch.connectors.sink import (
     STAGED_DIR,
     OutputBusy,
     OutputLock,
+    clean_temporaries,
     read_index,
     read_lock,
     read_output,
@@ -314,3 +315,7 @@ def test_swap_killed_midway_leaves_each_document_one_row(tmp_path):
     assert duckdb.sql(f"select count(*), count(distinct doc_id) from '{out.uri}/*.parquet'").fetchall() == [(2, 2)]
     for part in index.column("part").to_pylist():
         pq.read_table(part)
+    # the next run removes the staged rows that were never swapped in; the output is untouched
+    assert clean_temporaries(out) >= 1
+    assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file() and "_replace" in p.parts]
+    assert sorted(r["run_id"] for r in read_output(out).to_pylist()) == ["r1", "r2"]

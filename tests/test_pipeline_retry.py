@@ -74,32 +74,6 @@ def test_nightly_sequence_on_s3_ends_with_one_ok_row_per_document(ray_session, s
                    ).fetchall() == [(5, 5)]
 
 
-@requires_engine
-def test_retry_killed_before_its_swap_keeps_the_old_row_then_replaces_it(ray_session, tmp_path):
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for name in ("a", "b", "c"):
-        (docs / f"{name}.txt").write_text(f"Memo {name}: the plan changed.")
-    out = tmp_path / "out"
-    raw = job_raw(str(docs), str(out), output={"rows_per_file": 1}, resources={"batch_size": 1})
-    raw["decode"]["max_new_tokens"] = 4
-    job = write_job(tmp_path / "job.yaml", raw)
-    failing = _cli(job, ray_session, env={"CLOVER_BATCH_FAULT_DOC": "read_denied:/a.txt,read_denied:/b.txt"})
-    assert failing.returncode == 0, failing.stdout + failing.stderr
-    assert sorted(_duckdb_rows(Location(str(out)))) == [("a.txt", "read_error"), ("b.txt", "read_error"),
-                                                       ("c.txt", "ok")]
-
-    killed = _cli(job, ray_session, "--retry-failed", env={"CLOVER_BATCH_FAULT": "swapped:1"})
-    assert killed.returncode == -9, killed.stdout + killed.stderr
-    statuses = sorted(s for _, s in _duckdb_rows(Location(str(out))))
-    assert statuses == ["ok", "ok", "read_error"]  # one retried document swapped in, the other still old: 3 rows
-
-    report = run(parse_job(raw), retry_statuses=DEFAULT_RETRY_STATUSES).report
-    assert (report.retried, report.processed, report.output_rows) == (1, 1, 3)
-    assert report.removed_temporaries >= 1  # the killed run's staged replacement rows
-    assert _duckdb_rows(Location(str(out))) == [("a.txt", "ok"), ("b.txt", "ok"), ("c.txt", "ok")]
-
-
 def test_plan_retries_infrastructure_failures_only_unless_named(tmp_path):
     """Which documents a run takes up, from the rows already in the output (no Ray needed to plan)."""
     docs = tmp_path / "docs"
