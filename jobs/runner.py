@@ -115,7 +115,8 @@ class RayConnection:
 def ray_address(address: str | None) -> str | None:
     """The cluster to join: `address`, else RAY_ADDRESS, else None (a Ray of the run's own). Never the cluster named
     in /tmp/ray/ray_current_cluster, which outlives a cluster killed without `ray stop` (unless "auto" is asked)."""
-    return address or os.environ.get("RAY_ADDRESS") or None
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    return None if address == "local" else address
 
 
 def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:

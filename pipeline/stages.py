@@ -224,7 +224,10 @@ class InferStage:
         finally:  # back from the engine, result or error: this process survived it
             self._uris.pop(row["doc_id"], None)
             if self.attempts is not None:
-                await asyncio.to_thread(self.attempts.finish, [row["doc_id"]])
+                try:
+                    await asyncio.to_thread(self.attempts.finish, [row["doc_id"]])
+                except Exception as e:  # a record left behind only makes it run alone if it comes back
+                    log.warning("cannot remove the attempt record of %s: %s", row["source_uri"], e)
 
     async def __call__(self, batch: pa.Table) -> AsyncIterator[pa.Table]:
         from clover_batch.model import EngineCapacityError
