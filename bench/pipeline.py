@@ -87,7 +87,7 @@ def main() -> None:
             }
         )
         report = run(spec).report
-        assert report["by_status"] == {"ok": args.docs}, report["by_status"]
+        assert report.by_status == {"ok": args.docs}, report.by_status
         return report
 
     # Alternate loop and pipeline and keep the best of each: other load on a shared machine only ever slows a
@@ -100,7 +100,7 @@ def main() -> None:
     ray.shutdown()
     loop_s, loop_tokens = min(loop_runs)
     report = min(pipe_reports, key=lambda r: r["wall_seconds"])
-    pipe_s = report["wall_seconds"]
+    pipe_s = report.wall_seconds
 
     n_in = sum(len(p) for p in prompts)
     print(
@@ -113,11 +113,11 @@ def main() -> None:
     print(f"loop runs: {loop_list} s; pipeline runs: {pipe_list} s (best of each below)")
     print(f"{'loop':10s} {loop_s:8.2f} {args.docs / loop_s:8.3f} {loop_tokens / loop_s:10.1f} {loop_tokens:10d}")
     print(
-        f"{'pipeline':10s} {pipe_s:8.2f} {args.docs / pipe_s:8.3f} {report['output_tokens'] / pipe_s:10.1f} "
-        f"{report['output_tokens']:10d}"
+        f"{'pipeline':10s} {pipe_s:8.2f} {args.docs / pipe_s:8.3f} {report.output_tokens / pipe_s:10.1f} "
+        f"{report.output_tokens:10d}"
     )
     print(f"pipeline / loop (documents/s): {loop_s / pipe_s:.2f}x")
-    print(f"pipeline stage seconds: { {k: round(v, 2) for k, v in report['stage_seconds'].items()} }")
+    print(f"pipeline stage seconds: { {k: round(v, 2) for k, v in report.stage_seconds.items()} }")
 
 
 if __name__ == "__main__":

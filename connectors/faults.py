@@ -1,50 +1,108 @@
-"""Fault injection for the interruption tests: kill the whole run with SIGKILL at a named point.
+"""Fault injection for the interruption, retry and poison-document tests. Unset, none of this does anything.
 
-`CLOVER_BATCH_FAULT="<point>[:<n>]"` (read by the driver, passed to workers as part of the job context via
-`CLOVER_BATCH_FAULT_PID`) kills the driver process at the n-th time `<point>` is reached by any process of the run
-on this machine (counted in a file under the temp folder). Points: `listing`, `inference` (after a generate()
-call), `writing` (between the temporary part file and its commit). Unset, this does nothing.
+`CLOVER_BATCH_FAULT="<point>[:<n>][:<action>]"` acts the n-th time (default 1) `<point>` is reached by any process
+of the run on this machine (counted in a file under the temp folder, keyed by the driver's pid, which is passed to
+workers as `CLOVER_BATCH_FAULT_PID`). Actions:
+- `kill` (default): SIGKILL the driver and this process, at the n-th time and every later one: the whole run dies.
+- `exit`: SIGKILL only this process, exactly the n-th time: a Ray worker dies while the driver lives (Ray retries).
+Points: `listing`, `inference` (after a generate() call), `writing` (the part's bytes exist only as a temporary),
+`committing` (the part is staged, its lock check not done yet), `checked` (the check passed, the part is not
+published yet), `committed` (the part is visible), `swapping`
+(a retried document's new rows are staged, the old part not yet rewritten), `swapped` (one old part rewritten).
+
+`CLOVER_BATCH_FAULT_DOC="<action>:<text>[,<action>:<text>...]"` faults one document, by a piece of its URI:
+- `read_denied:<text>`: reading it raises PermissionError (an infrastructure failure that retries do not fix).
+- `crash_infer:<text>`: the infer actor's process is SIGKILLed when the document enters it (a native crash, or
+  the OOM killer).
+
+In-process tests can also pause a thread at a point with `hook(point, fn)`, to race two runs deterministically.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import tempfile
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "CLOVER_BATCH_FAULT"
 FAULT_PID_ENV = "CLOVER_BATCH_FAULT_PID"
+FAULT_DOC_ENV = "CLOVER_BATCH_FAULT_DOC"
+
+_hooks: dict[str, Callable[[], None]] = {}
 
 
 def fault_config() -> dict[str, str]:
     """The fault settings of this process, to forward to Ray workers (empty when none is set)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return {}
-    return {FAULT_ENV: spec, FAULT_PID_ENV: os.environ.get(FAULT_PID_ENV, str(os.getpid()))}
+    config = {k: os.environ[k] for k in (FAULT_ENV, FAULT_DOC_ENV) if os.environ.get(k)}
+    if config:
+        config[FAULT_PID_ENV] = os.environ.get(FAULT_PID_ENV, str(os.getpid()))
+    return config
 
 
-def fault_point(name: str) -> None:
-    """SIGKILL the driver (and this process) if the configured fault names this point and its count is reached."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    point, _, count = spec.partition(":")
-    if point != name:
-        return
+@contextlib.contextmanager
+def hook(point: str, fn: Callable[[], None]) -> Iterator[None]:
+    """Call `fn` (in the thread that reaches it) each time this process reaches `point`; for race tests."""
+    _hooks[point] = fn
+    try:
+        yield
+    finally:
+        _hooks.pop(point, None)
+
+
+def _count(name: str) -> int:
     pid = int(os.environ.get(FAULT_PID_ENV, os.getpid()))
     counter = os.path.join(tempfile.gettempdir(), f"clover-batch-fault-{pid}-{name}")
     fd = os.open(counter, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         os.write(fd, b"x")  # appends are atomic, so processes count together
-        reached = os.fstat(fd).st_size
+        return os.fstat(fd).st_size
     finally:
         os.close(fd)
-    if reached < int(count or 1):
+
+
+def fault_point(name: str) -> None:
+    """Run the in-process hook for `name`, then act if the configured fault names this point and its count."""
+    fn = _hooks.get(name)
+    if fn is not None:
+        fn()
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
         return
+    point, _, rest = spec.partition(":")
+    if point != name:
+        return
+    count, _, action = rest.partition(":")
+    reached, wanted = _count(name), int(count or 1)
+    if action == "exit":
+        if reached == wanted:
+            log.warning("fault injection: process %d exits at %s", os.getpid(), name)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return
+    if reached < wanted:
+        return
+    pid = int(os.environ.get(FAULT_PID_ENV, os.getpid()))
     log.warning("fault injection: killing process %d at %s", pid, name)
     os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _document_faults() -> list[tuple[str, str]]:
+    spec = os.environ.get(FAULT_DOC_ENV, "")
+    return [tuple(item.split(":", 1)) for item in spec.split(",") if ":" in item]  # type: ignore[misc]
+
+
+def document_fault(action: str, uri: str) -> None:
+    """Fail this document the way the configured fault says, if one names `action` and a piece of `uri`."""
+    for name, text in _document_faults():
+        if name != action or text not in uri:
+            continue
+        if action == "read_denied":
+            raise PermissionError(f"injected fault: access denied to {uri}")
+        if action == "crash_infer":
+            log.warning("fault injection: process %d crashes on %s", os.getpid(), uri)
+            os.kill(os.getpid(), signal.SIGKILL)

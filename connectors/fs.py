@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import fsspec
-from clover_batch.connectors.faults import fault_point
+import pyarrow as pa
+from clover_batch.connectors.faults import document_fault, fault_point
 from fsspec.core import url_to_fs
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,17 @@ def matches(relative_path: str, include: list[str], exclude: list[str]) -> bool:
     return any(hit(p) for p in include) and not any(hit(p) for p in exclude)
 
 
-def list_documents(location: Location, include: list[str], exclude: list[str]) -> list[DocumentRef]:
-    """All documents under `location` passing the globs, sorted by URI."""
+DOCUMENT_SCHEMA = pa.schema(
+    [("doc_id", pa.string()), ("source_uri", pa.string()), ("size", pa.int64()), ("version", pa.string())]
+)
+
+
+def list_document_table(location: Location, include: list[str], exclude: list[str]) -> pa.Table:
+    """All documents under `location` passing the globs, sorted by URI, as an Arrow table (DOCUMENT_SCHEMA).
+
+    Columns rather than one object per document: a million listed documents take ~150 MB as Arrow strings, and the
+    pending set is one vectorised filter against the done ids (jobs/runner.py).
+    """
     fs, root = location.filesystem()
     root = root.rstrip("/")
     fs.invalidate_cache()  # a scheduled re-run in the same process must see new files
@@ -118,8 +128,9 @@ def list_documents(location: Location, include: list[str], exclude: list[str]) -
         base = root
     fault_point("listing")
     protocol = location.uri.split("://", 1)[0] + "://" if "://" in location.uri else ""
-    docs = []
-    for path, info in sorted(infos.items()):
+    columns: dict[str, list] = {name: [] for name in DOCUMENT_SCHEMA.names}
+    for path in sorted(infos):
+        info = infos.pop(path)  # free each listing entry as it is turned into columns
         if info.get("type", "file") != "file":
             continue
         relative = path[len(base) :].lstrip("/")
@@ -127,13 +138,23 @@ def list_documents(location: Location, include: list[str], exclude: list[str]) -
             continue
         uri = protocol + path if protocol else path
         version = document_version(info)
-        docs.append(DocumentRef(document_id(uri, version), uri, int(info.get("size") or 0), version))
-    log.info("listed %d documents under %s", len(docs), location.uri)
-    return docs
+        columns["doc_id"].append(document_id(uri, version))
+        columns["source_uri"].append(uri)
+        columns["size"].append(int(info.get("size") or 0))
+        columns["version"].append(version)
+    table = pa.table(columns, schema=DOCUMENT_SCHEMA)
+    log.info("listed %d documents under %s", table.num_rows, location.uri)
+    return table
+
+
+def list_documents(location: Location, include: list[str], exclude: list[str]) -> list[DocumentRef]:
+    """All documents under `location` passing the globs, sorted by URI (see `list_document_table`)."""
+    return [DocumentRef(**row) for row in list_document_table(location, include, exclude).to_pylist()]
 
 
 def read_bytes(uri: str, storage_options: dict[str, Any], max_bytes: int | None = None) -> bytes:
     """The bytes of one document; raises ValueError past `max_bytes` without reading them all."""
+    document_fault("read_denied", uri)
     fs, path = url_to_fs(uri, **_fsspec_options(uri, storage_options))
     with fs.open(path, "rb") as f:
         data = f.read() if max_bytes is None else f.read(max_bytes + 1)

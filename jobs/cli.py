@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from clover_batch.jobs.model_cli import register_model_commands
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from clover_batch.jobs.runner import RunReport
 
 app = typer.Typer(help="Run the Clover diffusion MoE model over collections of documents.", no_args_is_help=True)
 register_model_commands(app)
@@ -80,11 +83,25 @@ def run(
     job: JobArg,
     set_: SetOpt = None,
     address: Annotated[
-        str | None, typer.Option(help="Ray cluster address; default RAY_ADDRESS, else a local Ray.")
+        str | None,
+        typer.Option(help="Ray cluster: host:port (its GCS) or ray://host:port (Ray Client); default RAY_ADDRESS, "
+                     "else a new local Ray."),
+    ] = None,
+    retry_failed: Annotated[
+        bool,
+        typer.Option("--retry-failed", help="Run again the documents whose row failed for reasons of the "
+                     "infrastructure (read_error, inference_error, internal_error, crashed); each new row replaces "
+                     "the old one."),
+    ] = False,
+    retry_status: Annotated[
+        list[str] | None,
+        typer.Option("--retry-status", help="With --retry-failed, or alone: retry rows of this status instead "
+                     "(repeatable), e.g. --retry-status invalid_output."),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show library logs.")] = False,
 ) -> None:
     """Run a job: every new document of the input gets one row in the output's Parquet files."""
+    from clover_batch.jobs.runner import DEFAULT_RETRY_STATUSES
     from clover_batch.jobs.runner import run as run_job
 
     logging.basicConfig(
@@ -97,6 +114,7 @@ def run(
         logging.getLogger("ray").setLevel(logging.WARNING)
         logging.getLogger("ray.data").setLevel(logging.ERROR)
     spec = _load(job, set_)
+    retry = tuple(retry_status) if retry_status else DEFAULT_RETRY_STATUSES if retry_failed else ()
     columns = [
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -112,7 +130,7 @@ def run(
             bar.update(task_id, total=p.total, completed=p.done, statuses=statuses)
 
         try:
-            result = run_job(spec, address=address, on_progress=on_progress)
+            result = run_job(spec, address=address, on_progress=on_progress, retry_statuses=retry)
         except Exception as e:  # a run-level failure (model cannot load, storage unreachable): say it plainly
             if verbose:
                 raise
@@ -137,23 +155,25 @@ def _ray_message(e: Exception) -> str:
     return f"{type(e).__name__}: {lines[0]}"
 
 
-def _print_report(report: dict) -> None:
-    console.print(f"run {report['run_id']}: {report['processed']} processed, {report['skipped_done']} already done")
+def _print_report(report: RunReport) -> None:
+    retried = f", {report.retried} retried" if report.retried else ""
+    console.print(f"run {report.run_id}: {report.processed} processed{retried}, {report.skipped_done} already done")
     table = Table()
     table.add_column("status")
     table.add_column("documents", justify="right")
-    for status, n in report["by_status"].items():
+    for status, n in report.by_status.items():
         table.add_row(status, str(n))
     console.print(table)
     stages = Table(title="seconds per stage, summed over documents")
-    for stage in report["stage_seconds"]:
+    for stage in report.stage_seconds:
         stages.add_column(stage, justify="right")
-    stages.add_row(*(f"{v:.2f}" for v in report["stage_seconds"].values()))
+    stages.add_row(*(f"{v:.2f}" for v in report.stage_seconds.values()))
     console.print(stages)
     console.print(
-        f"{report['wall_seconds']:.1f} s wall, {report['documents_per_second']:.2f} documents/s, "
-        f"{report['output_tokens']} output tokens ({report['output_tokens_per_second']:.1f} tokens/s), "
-        f"{report['output_rows']} rows in the output; up to {report['max_decode_batch']} documents decoded together"
+        f"{report.wall_seconds:.1f} s wall, {report.documents_per_second:.2f} documents/s, "
+        f"{report.output_tokens} output tokens ({report.output_tokens_per_second:.1f} tokens/s), "
+        f"{report.output_rows} rows in the output; up to {report.max_decode_batch} documents decoded "
+        "together"
     )
 
 

@@ -1,40 +1,55 @@
 """Running a job: wire the job spec to connectors/ and pipeline/, run it on Ray, write the run report.
 
-`run(spec)` is idempotent: documents with a committed row in the output are skipped, parts half-written by a
-killed run are removed first, and each document of this run is committed in exactly one part (connectors/sink.py).
+`run(spec)` is idempotent: documents with a committed row in the output are skipped, and each document of this
+run is committed in exactly one part under the output lock (connectors/sink.py). Its steps, each a function here:
+
+    connect_ray (local, a cluster's host:port, or ray:// where the run itself executes on the cluster)
+    -> plan_run (clean up, publish parts left staged, list, subtract the done set; retried documents flagged)
+    -> execute (the Ray Data pipeline; progress; retried rows swapped in as their parts come back)
+    -> RunReport (typed; written as JSON next to the output)
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
+import socket
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import ray
+from clover_batch.connectors.attempts import forget_committed
 from clover_batch.connectors.faults import fault_config
-from clover_batch.connectors.fs import Location, list_documents
+from clover_batch.connectors.fs import Location, list_document_table
 from clover_batch.connectors.sink import (
     OutputLock,
     check_manifest,
     clean_temporaries,
-    done_doc_ids,
-    read_output,
+    read_index,
+    recover_staged,
+    swap_in,
     write_report,
 )
 from clover_batch.jobs.preflight import check_model
 from clover_batch.jobs.spec import JobSpec
 from clover_batch.pipeline.builder import PipelineOptions, build_pipeline
 from clover_batch.pipeline.postprocess import FieldRule
-from clover_batch.pipeline.rows import STAGES
+from clover_batch.pipeline.rows import INFRASTRUCTURE_STATUSES, STAGES, STATUSES
 from clover_batch.pipeline.stages import ModelRef, TaskRef
 
 log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0  # an explicit cluster address must answer within this, else the run fails naming it
+DEFAULT_RETRY_STATUSES = INFRASTRUCTURE_STATUSES  # what `run --retry-failed` runs again unless told otherwise
 
 
 @dataclass
@@ -47,9 +62,44 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class RunReport:
+    """The run report: printed by the CLI, written as JSON to `_reports/<run_id>.json` in the output."""
+
+    run_id: str
+    job_name: str
+    model: str
+    task: str
+    input_uri: str
+    output_uri: str
+    ray_address: str  # the cluster joined, "local" for a Ray started by the run, "" when nothing needed Ray
+    finished_at: str  # ISO 8601, UTC
+    listed: int  # documents under input.uri passing the globs
+    skipped_done: int  # listed documents that already had a row (and were not retried)
+    retried: int  # listed documents whose failed row was run again (run --retry-failed)
+    processed: int  # documents this run wrote a row for
+    by_status: dict[str, int]  # this run's rows by status
+    output_rows: int  # rows in the output after this run
+    removed_temporaries: int  # files a killed run left half-written, removed
+    published_staged: int  # parts a killed run staged, published by this run
+    dropped_staged: int  # staged parts whose documents already had rows, removed
+    input_tokens: int
+    output_tokens: int
+    wall_seconds: float
+    documents_per_second: float
+    output_tokens_per_second: float
+    max_decode_batch: int  # most documents one replica decoded together
+    kernels: list[str]  # what the replicas ran: fla or torch kernels, CUDA graphs, dtype and device
+    stage_seconds: dict[str, float]  # seconds per stage, summed over documents
+    job: dict[str, Any]  # the job as run, storage options (credentials) left out
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class RunResult:
     run_id: str
-    report: dict[str, Any]  # the JSON run report
+    report: RunReport
     report_uri: str
 
 
@@ -57,18 +107,93 @@ def new_run_id() -> str:
     return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
 
 
-def init_ray(address: str | None) -> bool:
-    """Connect to `address` / RAY_ADDRESS, or start a local Ray; returns True if this call started it."""
+@dataclass(frozen=True)
+class RayConnection:
+    address: str  # the address joined, or "local"
+    client: bool  # Ray Client (ray://): Ray Data cannot execute from here, so the run executes on the cluster
+
+
+def ray_address(address: str | None) -> str | None:
+    """The cluster to join: `address`, else RAY_ADDRESS, else None (a Ray of the run's own). Never the cluster named
+    in /tmp/ray/ray_current_cluster, which outlives a cluster killed without `ray stop` (unless "auto" is asked)."""
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    return None if address == "local" else address
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Fail fast, naming `address`, when nothing speaking Ray's protocol answers there. `ray.init` itself retries a
+    dead GCS address for minutes, and Ray Client for 30 s, without saying which address it is waiting for."""
+    target = address.removeprefix("ray://")
+    if target == "auto":  # asked for explicitly: the cluster of the last `ray start` on this machine
+        from ray._private.services import canonicalize_bootstrap_address
+
+        try:
+            target = canonicalize_bootstrap_address("auto") or ""
+        except ConnectionError as e:
+            raise ConnectionError(f"Ray address 'auto': {e}") from None
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"Ray address {address!r}: expected host:port (a cluster's GCS), ray://host:port (Ray "
+                         f"Client) or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, timeout_s)).close()
+    except OSError as e:
+        raise ConnectionError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return  # the plain-text probe below would fail a TLS handshake
+    import grpc
+
+    channel = grpc.insecure_channel(f"{host}:{port}")
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        raise ConnectionError(f"cannot reach the Ray cluster at {address}: the port is open but did not answer "
+                              f"Ray's protocol (gRPC) within {timeout_s:.0f} s") from None
+    finally:
+        channel.close()
+
+
+@contextlib.contextmanager
+def connect_ray(address: str | None) -> Iterator[RayConnection]:
+    """Join the cluster at `address` / RAY_ADDRESS, or start a local Ray; disconnect (or stop it) at the end.
+    Already connected (a test session, the driver actor of a ray:// run): use that Ray as it is."""
     if ray.is_initialized():
-        return False
+        client = ray.util.client.ray.is_connected()
+        yield RayConnection(address or ("ray-client" if client else ray.get_runtime_context().gcs_address), client)
+        return
     runtime_env = {"env_vars": fault_config()} if fault_config() else None
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=False, runtime_env=runtime_env, logging_level=logging.WARNING)
-    else:
+    address = ray_address(address)
+    options = {"log_to_driver": False, "runtime_env": runtime_env, "logging_level": logging.WARNING}
+    if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(include_dashboard=False, log_to_driver=False, runtime_env=runtime_env, logging_level=logging.WARNING)
-    return True
+        # "local": a new Ray of our own, whatever a stale /tmp/ray/ray_current_cluster says
+        ray.init(address="local", include_dashboard=False, **options)
+        connection = RayConnection("local", False)
+    else:
+        check_reachable(address)
+        client = address.startswith("ray://")
+        for attempt in (1, 2):
+            try:
+                ray.init(address=address, **options)
+                break
+            except ConnectionAbortedError as e:
+                # Ray Client's proxy on the head starts one server process per session; that start occasionally
+                # fails on a busy head ("Starting Ray client server failed"), and a second session usually starts.
+                if not client or attempt == 2:
+                    raise
+                log.warning("Ray Client session at %s failed to start (%s); trying once more", address,
+                            str(e).splitlines()[0])
+        connection = RayConnection(address, client)
+    try:
+        yield connection
+    finally:
+        ray.shutdown()
+
+
+def configure_ray_data() -> None:
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # the CLI draws its own progress; Ray's bars would fight it
+    ctx.print_on_execution_start = False
 
 
 def _absolute(uri: str) -> str:
@@ -96,6 +221,7 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
         gpus_per_replica=spec.resources.gpus_per_replica,
         batch_size=spec.resources.batch_size,
         max_slots=spec.resources.max_slots,
+        max_attempts=spec.input.max_attempts,
         rows_per_file=spec.output.rows_per_file,
         max_file_bytes=spec.input.max_file_bytes,
         max_input_tokens=spec.input.max_input_tokens,
@@ -112,23 +238,6 @@ def output_settings(spec: JobSpec) -> dict[str, Any]:
         "task": spec.task.model_dump(mode="json"),
         "decode": spec.decode.model_dump(mode="json"),
     }
-
-
-def run(
-    spec: JobSpec,
-    *,
-    address: str | None = None,
-    on_progress: Callable[[Progress], None] | None = None,
-    run_id: str | None = None,
-) -> RunResult:
-    """Process every listed document that has no committed row yet; returns the run report."""
-    check_model(spec)  # config, checkpoint headers, chat template: before the lock, Ray or any worker
-    run_id = run_id or new_run_id()
-    opts = pipeline_options(spec, run_id)
-    check_output_outside_input(opts.input, opts.output)
-    with OutputLock(opts.output, run_id):  # taken before Ray starts: a busy or conflicting output fails in a second
-        check_manifest(opts.output, output_settings(spec))
-        return _run_locked(spec, opts, run_id, address, on_progress)
 
 
 def check_output_outside_input(input: Location, output: Location) -> None:
@@ -155,79 +264,251 @@ def check_cluster_fits(spec: JobSpec) -> None:
         raise ValueError(f"resources: {'; '.join(short)}")
 
 
-def _run_locked(spec: JobSpec, opts: PipelineOptions, run_id: str, address: str | None,
-                on_progress: Callable[[Progress], None] | None) -> RunResult:
-    started_ray = init_ray(address)
-    try:
-        check_cluster_fits(spec)
-        ctx = ray.data.DataContext.get_current()
-        ctx.enable_progress_bars = False  # the CLI draws its own progress; Ray's bars would fight it
-        ctx.print_on_execution_start = False
-        start = time.perf_counter()
-        removed = clean_temporaries(opts.output)
-        listed = list_documents(opts.input, spec.input.include, spec.input.exclude)
-        done = done_doc_ids(opts.output)
-        pending = [d for d in listed if d.doc_id not in done]
-        log.info(
-            "run %s: %d listed, %d already done, %d to process",
-            run_id,
-            len(listed),
-            len(listed) - len(pending),
-            len(pending),
-        )
-        progress = Progress(total=len(pending))
+def check_retry_statuses(statuses: Sequence[str]) -> tuple[str, ...]:
+    """Statuses to run again, checked: a typo would otherwise retry nothing, silently."""
+    unknown = [s for s in statuses if s not in STATUSES]
+    if unknown:
+        raise ValueError(f"--retry-status {', '.join(unknown)}: not a row status (known: {', '.join(STATUSES)})")
+    if "ok" in statuses:
+        raise ValueError("--retry-status ok: rows that succeeded are not run again (the output keeps one row per "
+                         "document); use a new output.uri to redo them")
+    return tuple(dict.fromkeys(statuses))
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run will do, decided under the lock before any document is processed."""
+
+    listed: int  # documents under input.uri passing the globs
+    pending: pa.Table  # documents to process: connectors.fs.DOCUMENT_SCHEMA columns plus `replaces`
+    retried: int  # pending documents whose failed row is replaced
+    committed_rows: int  # rows in the output before this run
+    old_parts: dict[str, str]  # doc_id -> the part holding its failed row, for the retried documents
+    removed_temporaries: int
+    published_staged: int
+    dropped_staged: int
+
+    @property
+    def skipped_done(self) -> int:
+        return self.listed - self.pending.num_rows
+
+
+def plan_run(opts: PipelineOptions, include: list[str], exclude: list[str], *,
+             retry_statuses: Sequence[str] = (), previous_owner: str | None = None) -> RunPlan:
+    """Clean up after killed runs, publish what they left staged, list the input and subtract the done set.
+
+    Listing, done set and pending set are Arrow columns end to end (a million documents plan in seconds, in a few
+    hundred MB). A document is done when it has a committed row, unless that row's status is in `retry_statuses`:
+    then it runs again and its new row will replace the old one (`replaces`).
+    """
+    removed = clean_temporaries(opts.output)
+    index = read_index(opts.output)
+    recovery = recover_staged(opts.output, index.column("doc_id"), opts.run_id, previous_owner)
+    index = pa.concat_tables([index, recovery.index])
+    forget_committed(opts.output, index.column("doc_id"))  # attempts of documents with a row no longer matter
+    listed = list_document_table(opts.input, include, exclude)
+    done = pc.is_in(listed.column("doc_id"), value_set=index.column("doc_id"))
+    old_parts: dict[str, str] = {}
+    replaces = pa.nulls(listed.num_rows, pa.bool_()).fill_null(False)
+    if retry_statuses:
+        failed = index.filter(pc.is_in(index.column("status"), value_set=pa.array(list(retry_statuses))))
+        replaces = pc.is_in(listed.column("doc_id"), value_set=failed.column("doc_id"))
+        retried_ids = set(listed.filter(replaces).column("doc_id").to_pylist())
+        old_parts = {d: p for d, p in zip(failed.column("doc_id").to_pylist(), failed.column("part").to_pylist(),
+                                          strict=True) if d in retried_ids}
+    keep = pc.or_(pc.invert(done), replaces)
+    pending = listed.append_column("replaces", replaces).filter(keep)
+    plan = RunPlan(listed=listed.num_rows, pending=pending, retried=len(old_parts), committed_rows=index.num_rows,
+                   old_parts=old_parts, removed_temporaries=removed, published_staged=len(recovery.published),
+                   dropped_staged=len(recovery.dropped))
+    log.info("run %s: %d listed, %d already done, %d to process (%d retried)", opts.run_id, plan.listed,
+             plan.skipped_done, pending.num_rows, plan.retried)
+    return plan
+
+
+@dataclass
+class RunTotals:
+    """What `execute` counted from the stats rows of the committed parts."""
+
+    progress: Progress
+    replaced: int = 0  # rows swapped in for retried documents
+    max_decode_batch: int = 0  # most documents one replica decoded together
+    kernels: set[str] = field(default_factory=set)
+    input_tokens: int = 0
+    output_tokens: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*STAGES, "write"), 0.0))
+
+
+def execute(plan: RunPlan, opts: PipelineOptions, on_progress: Callable[[Progress], None] | None = None
+            ) -> RunTotals:
+    """Run the pipeline over the pending documents. Retried documents' rows come back staged; each is swapped into
+    the part holding the old row here, on the driver, one at a time (connectors.sink.swap_in)."""
+    totals = RunTotals(Progress(total=plan.pending.num_rows))
+    if on_progress:
+        on_progress(totals.progress)
+    if not plan.pending.num_rows:
+        return totals
+    swapped: set[str] = set()
+    for batch in build_pipeline(plan.pending, opts).iter_batches(batch_size=None, batch_format="pyarrow"):
+        for row in batch.to_pylist():
+            totals.progress.done += 1
+            totals.progress.by_status[row["status"]] += 1
+            totals.input_tokens += row["input_tokens"] or 0
+            totals.output_tokens += row["output_tokens"] or 0
+            totals.max_decode_batch = max(totals.max_decode_batch, row["decode_batch"] or 0)
+            if row["kernels"]:
+                totals.kernels.add(row["kernels"])
+            for stage, seconds in (row["timings"] or {}).items():
+                totals.stage_seconds[stage] += seconds or 0.0
+            totals.stage_seconds["write"] += row["write_seconds"] or 0.0
+            staged = row["replacement"]
+            if staged:
+                totals.replaced += 1
+                if staged not in swapped:  # one staged file's rows may come back in more than one batch
+                    swap_in(opts.output, staged, plan.old_parts, opts.run_id)
+                    swapped.add(staged)
         if on_progress:
-            on_progress(progress)
-        totals: dict[str, float] = dict.fromkeys((*STAGES, "write"), 0.0)
-        tokens_in = tokens_out = decode_batch = 0
-        kernel_names: set[str] = set()
-        if pending:
-            for batch in build_pipeline(pending, opts).iter_batches(batch_size=None, batch_format="pyarrow"):
-                for row in batch.to_pylist():
-                    progress.done += 1
-                    progress.by_status[row["status"]] += 1
-                    tokens_in += row["input_tokens"] or 0
-                    tokens_out += row["output_tokens"] or 0
-                    decode_batch = max(decode_batch, row["decode_batch"] or 0)
-                    if row["kernels"]:
-                        kernel_names.add(row["kernels"])
-                    for stage, seconds in (row["timings"] or {}).items():
-                        totals[stage] += seconds or 0.0
-                    totals["write"] += row["write_seconds"] or 0.0
-                if on_progress:
-                    on_progress(progress)
-        wall = time.perf_counter() - start
-        output = read_output(opts.output, columns=["status"])
-        report = {
-            "run_id": run_id,
-            "job_name": spec.name,
-            "model": spec.model.source,
-            "task": spec.task.kind,
-            "input_uri": spec.input.uri,
-            "output_uri": spec.output.uri,
-            "finished_at": datetime.now(UTC).isoformat(),
-            "listed": len(listed),
-            "skipped_done": len(listed) - len(pending),
-            "processed": progress.done,
-            "removed_temporaries": removed,
-            "by_status": dict(sorted(progress.by_status.items())),
-            "output_rows": 0 if output is None else output.num_rows,
-            "input_tokens": tokens_in,
-            "output_tokens": tokens_out,
-            "wall_seconds": wall,
-            "documents_per_second": progress.done / wall if wall > 0 else 0.0,
-            "output_tokens_per_second": tokens_out / wall if wall > 0 else 0.0,
-            "max_decode_batch": decode_batch,  # most documents one replica decoded together
-            "kernels": sorted(kernel_names),  # what the replicas ran: fla or torch kernels, CUDA graphs, dtype
-            "stage_seconds": totals,
-            "job": spec.model_dump(
-                mode="json",
-                exclude={"input": {"storage_options"}, "output": {"storage_options"}, "model": {"storage_options"}},
-            ),
-        }
-        report_uri = write_report(opts.output, run_id, report)
-        log.info("run %s finished: %s", run_id, report["by_status"])
-        return RunResult(run_id, report, report_uri)
+            on_progress(totals.progress)
+    return totals
+
+
+def run(
+    spec: JobSpec,
+    *,
+    address: str | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+    run_id: str | None = None,
+    retry_statuses: Sequence[str] = (),
+) -> RunResult:
+    """Process every listed document that has no committed row yet (and, with `retry_statuses`, those whose row
+    has one of these statuses, replacing that row); returns the run report.
+
+    With a ray:// address (Ray Client), Ray Data cannot execute from this process: the run executes in a driver
+    actor on the cluster's head node, and this process relays its progress and returns its result.
+    """
+    check_model(spec)  # config, checkpoint headers, chat template: before the lock, Ray or any worker
+    retry_statuses = check_retry_statuses(retry_statuses)
+    run_id = run_id or new_run_id()
+    spec = _with_absolute_paths(spec)
+    target = ray_address(address)
+    if target is not None and not ray.is_initialized():
+        check_reachable(target)  # a wrong address fails every run, not only those with documents to process
+    client = ray.util.client.ray.is_connected() if ray.is_initialized() else (target or "").startswith("ray://")
+    if client:
+        with connect_ray(target):
+            return _run_on_cluster(spec, run_id, retry_statuses, on_progress)
+    return _run_here(spec, run_id, target, retry_statuses, on_progress)
+
+
+def _with_absolute_paths(spec: JobSpec) -> JobSpec:
+    """The spec with local paths made absolute here, so a driver elsewhere (ray://) or workers in other folders
+    read the same ones."""
+    model = spec.model
+    if os.path.isdir(model.source):
+        model = model.model_copy(update={"source": os.path.abspath(model.source)})
+    return spec.model_copy(update={
+        "input": spec.input.model_copy(update={"uri": _absolute(spec.input.uri)}),
+        "output": spec.output.model_copy(update={"uri": _absolute(spec.output.uri)}),
+        "model": model,
+    })
+
+
+def _run_here(spec: JobSpec, run_id: str, address: str | None, retry_statuses: tuple[str, ...],
+              on_progress: Callable[[Progress], None] | None) -> RunResult:
+    start = time.perf_counter()
+    opts = pipeline_options(spec, run_id)
+    check_output_outside_input(opts.input, opts.output)
+    with OutputLock(opts.output, run_id) as lock:  # before Ray starts: a busy or conflicting output fails in a second
+        check_manifest(opts.output, output_settings(spec))
+        plan = plan_run(opts, spec.input.include, spec.input.exclude, retry_statuses=retry_statuses,
+                        previous_owner=lock.took_over_from)
+        connected = ""
+        if plan.pending.num_rows:
+            # Ray is stopped (or left) before the lock is released: no worker of this run commits after it.
+            with connect_ray(address) as connection:
+                connected = connection.address
+                configure_ray_data()
+                check_cluster_fits(spec)
+                totals = execute(plan, opts, on_progress)
+        else:
+            totals = execute(plan, opts, on_progress)
+        report = _report(spec, run_id, plan, totals, connected, time.perf_counter() - start)
+        report_uri = write_report(opts.output, run_id, report.to_json())
+    log.info("run %s finished: %s", run_id, report.by_status)
+    return RunResult(run_id, report, report_uri)
+
+
+def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_address: str, wall: float
+            ) -> RunReport:
+    done = totals.progress.done
+    return RunReport(
+        run_id=run_id,
+        job_name=spec.name,
+        model=spec.model.source,
+        task=spec.task.kind,
+        input_uri=spec.input.uri,
+        output_uri=spec.output.uri,
+        ray_address=ray_address,
+        finished_at=datetime.now(UTC).isoformat(),
+        listed=plan.listed,
+        skipped_done=plan.skipped_done,
+        retried=plan.retried,
+        processed=done,
+        by_status=dict(sorted(totals.progress.by_status.items())),
+        output_rows=plan.committed_rows + done - totals.replaced,
+        removed_temporaries=plan.removed_temporaries,
+        published_staged=plan.published_staged,
+        dropped_staged=plan.dropped_staged,
+        input_tokens=totals.input_tokens,
+        output_tokens=totals.output_tokens,
+        wall_seconds=wall,
+        documents_per_second=done / wall if wall > 0 else 0.0,
+        output_tokens_per_second=totals.output_tokens / wall if wall > 0 else 0.0,
+        max_decode_batch=totals.max_decode_batch,
+        kernels=sorted(totals.kernels),
+        stage_seconds=totals.stage_seconds,
+        job=spec.model_dump(
+            mode="json",
+            exclude={"input": {"storage_options"}, "output": {"storage_options"}, "model": {"storage_options"}},
+        ),
+    )
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class _ClusterDriver:
+    """The run's driver on the cluster, for ray:// clients: `run` executes the job (one thread), `progress`
+    answers the client's polls (the other)."""
+
+    def __init__(self) -> None:
+        self.progress: Progress | None = None
+
+    def run(self, spec: JobSpec, run_id: str, retry_statuses: tuple[str, ...]) -> RunResult:
+        def keep(p: Progress) -> None:
+            self.progress = Progress(p.total, p.done, Counter(p.by_status))
+
+        return _run_here(spec, run_id, None, retry_statuses, keep)
+
+    def get_progress(self) -> Progress | None:
+        return self.progress
+
+
+def _run_on_cluster(spec: JobSpec, run_id: str, retry_statuses: tuple[str, ...],
+                    on_progress: Callable[[Progress], None] | None) -> RunResult:
+    # On the head node, as `ray job submit` runs its entrypoint: the node that is always there.
+    driver = _ClusterDriver.options(resources={"node:__internal_head__": 0.001}).remote()
+    result_ref = driver.run.remote(spec, run_id, retry_statuses)
+    try:
+        while True:
+            ready, _ = ray.wait([result_ref], timeout=0.5)
+            progress = ray.get(driver.get_progress.remote())
+            if progress is not None and on_progress:
+                on_progress(progress)
+            if ready:
+                return ray.get(result_ref)
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if isinstance(e.cause, Exception) else None
+        if cause is not None:  # the job's own error (OutputBusy, a bad field), not Ray's wrapper around it
+            raise cause from None
+        raise
     finally:
-        if started_ray:
-            ray.shutdown()
+        ray.kill(driver)

@@ -62,6 +62,13 @@ class InputSpec(_Strict):
         description="PDFs with more pages than this get status `too_many_pages` before any text is extracted. "
         "The default is past what input.max_input_tokens admits at ordinary page densities.",
     )
+    max_attempts: int = Field(
+        default=2,
+        ge=1,
+        description="A document inside a model replica's process when it died (out of memory, a native crash) "
+        "this many times, at least once as the only document there, gets status `crashed` and is not run again "
+        "(documents that only shared the process with it run again, alone, and are not charged).",
+    )
 
 
 class OutputSpec(_Strict):

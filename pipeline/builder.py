@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
 import ray
-from clover_batch.connectors.fs import DocumentRef, Location
-from clover_batch.pipeline.rows import WORK_SCHEMA, to_table
+from clover_batch.connectors.fs import Location
+from clover_batch.pipeline.rows import work_table
 from clover_batch.pipeline.stages import (
     InferStage,
     ModelRef,
@@ -48,6 +49,7 @@ class PipelineOptions:
     gpus_per_replica: float = 0.0
     batch_size: int = 4  # documents per Ray batch into the infer actors
     max_slots: int = 16  # documents one replica's engine decodes at once
+    max_attempts: int = 2  # process deaths with a document inside before it gets a `crashed` row
     rows_per_file: int = 64
     max_file_bytes: int = 256 * 2**20
     max_input_tokens: int = 1_048_576
@@ -59,12 +61,13 @@ class PipelineOptions:
     prep_concurrency: int | None = None  # most cheap-stage tasks at once; None: 2 per replica
 
 
-def build_pipeline(docs: list[DocumentRef], opts: PipelineOptions) -> ray.data.Dataset:
-    """The lazy dataset of per-document stats rows; iterating it runs the job."""
-    table = to_table([d.to_row() for d in docs], WORK_SCHEMA)
+def build_pipeline(docs: pa.Table, opts: PipelineOptions) -> ray.data.Dataset:
+    """The lazy dataset of per-document stats rows; iterating it runs the job. `docs`: the pending documents
+    (connectors.fs.DOCUMENT_SCHEMA columns, plus `replaces` for retried ones)."""
+    table = work_table(docs)
     # Small input blocks, so reading and parsing stream into the actors instead of waiting on one big block.
-    step = max(opts.prep_batch_size, -(-len(docs) // 256))
-    ds = ray.data.from_arrow([table.slice(i, step) for i in range(0, len(docs), step)])
+    step = max(opts.prep_batch_size, -(-table.num_rows // 256))
+    ds = ray.data.from_arrow([table.slice(i, step) for i in range(0, table.num_rows, step)])
     fmt = {"batch_format": "pyarrow", "zero_copy_batch": False}
     # A CPU share unlike the actors' keeps Ray from fusing the cheap stages into the actor: parsing then overlaps
     # with decoding instead of queueing behind it.
@@ -84,6 +87,9 @@ def build_pipeline(docs: list[DocumentRef], opts: PipelineOptions) -> ray.data.D
                 "decode": opts.decode,
                 "num_threads": max(1, int(opts.cpus_per_replica)),
                 "max_slots": opts.max_slots,
+                "output": opts.output,
+                "run_id": opts.run_id,
+                "max_attempts": opts.max_attempts,
             },
             # Enough Ray batches in flight per actor to fill the engine's slots, plus one queued behind them, so a
             # freed slot is refilled at the next step instead of when a whole batch has finished.

@@ -18,6 +18,14 @@ import pyarrow as pa
 log = logging.getLogger(__name__)
 
 STAGES = ("read", "parse", "tokenize", "prefill", "decode", "infer", "postprocess")
+
+# Failures of the infrastructure, not of the document: `run --retry-failed` runs these documents again.
+INFRASTRUCTURE_STATUSES = ("read_error", "inference_error", "internal_error", "crashed")
+# What a document itself can be refused for (pipeline/parse.py, the stages): a re-run would say the same.
+DOCUMENT_STATUSES = ("too_large", "unsupported_format", "empty", "corrupt_pdf", "truncated_pdf", "encrypted",
+                     "too_many_pages", "parse_timeout", "parse_crashed", "no_text", "binary", "decode_error",
+                     "too_long", "invalid_output")
+STATUSES = ("ok", *INFRASTRUCTURE_STATUSES, *DOCUMENT_STATUSES)
 TIMINGS_TYPE = pa.struct([(s, pa.float64()) for s in STAGES])
 
 OUTPUT_SCHEMA = pa.schema(
@@ -55,6 +63,7 @@ WORK_SCHEMA = pa.schema(
         pa.field("output_ids", pa.list_(pa.int32())),  # infer -> postprocess
         pa.field("decode_batch", pa.int32()),  # infer -> stats: most documents decoded together with this one
         pa.field("kernels", pa.string()),  # infer -> stats: the kernels its replica ran (for the run report)
+        pa.field("replaces", pa.bool_()),  # run --retry-failed: the new row replaces this document's failed one
     ]
 )
 
@@ -68,6 +77,7 @@ STATS_SCHEMA = pa.schema(
         ("decode_batch", pa.int32()),
         ("kernels", pa.string()),
         ("part_uri", pa.string()),
+        ("replacement", pa.string()),  # staged path of new rows for retried documents, for the driver's swap_in
         ("write_seconds", pa.float64()),
     ]
 )
@@ -79,6 +89,14 @@ def to_rows(batch: pa.Table) -> list[dict[str, Any]]:
 
 def to_table(rows: list[dict[str, Any]], schema: pa.Schema = WORK_SCHEMA) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=schema)
+
+
+def work_table(docs: pa.Table) -> pa.Table:
+    """Working rows for listed documents (doc_id, source_uri, size, version, optionally replaces): the columns
+    `docs` has, typed as WORK_SCHEMA, and nulls for the rest."""
+    n = docs.num_rows
+    return pa.table([docs.column(f.name).cast(f.type) if f.name in docs.column_names else pa.nulls(n, f.type)
+                     for f in WORK_SCHEMA], schema=WORK_SCHEMA)
 
 
 def fail(row: dict[str, Any], status: str, error: str) -> None:

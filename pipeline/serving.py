@@ -13,11 +13,17 @@ Notable choices:
 - A step that fails with any other error cannot say which document caused it: the requests in flight are then run
   again one at a time, so only the document that fails alone gets the error (the others still get results).
 - An EngineCapacityError (not even one slot fits) is a replica-level problem too: every request gets it.
+- A request submitted with `alone=True` (a document that was inside a process that died: a suspect) waits until
+  the engine is empty and then runs with no other request until it finishes; requests arriving meanwhile wait. So
+  if it kills the process again, the death is its own, and no other document is charged with it.
+- `on_admit` is called in this thread with the requests about to enter the engine (name -> alone), before they
+  do: the infer stage records each document's attempt there (connectors/attempts.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import queue
@@ -37,35 +43,47 @@ class _Pending:
     request: Request
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    name: str = "request"
+    alone: bool = False  # run with no other request in the engine
 
 
 class EngineLoop:
     """Runs `engine` in a daemon thread; `await submit(prompt_ids)` returns the prompt's Generation."""
 
-    def __init__(self, engine: Engine, *, recover: Callable[[], None] | None = None, max_recoveries: int = 2) -> None:
+    def __init__(self, engine: Engine, *, recover: Callable[[], None] | None = None, max_recoveries: int = 2,
+                 on_admit: Callable[[dict[str, bool]], None] | None = None) -> None:
         """recover: restarts a broken expert-parallel replica (raises ExpertParallelError when it cannot);
-        max_recoveries: how many times in a row, with no successful step between, before giving up."""
+        max_recoveries: how many times in a row, with no successful step between, before giving up;
+        on_admit: called with {name: alone} of requests about to enter the engine (an error fails them)."""
         self.engine, self.recover, self.max_recoveries = engine, recover, max_recoveries
+        self.on_admit = on_admit
         self._failures_in_a_row = 0
         self._inbox: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
+        self._waiting: list[_Pending] = []  # taken from the inbox, not yet in the engine
+        self._alone: collections.deque[_Pending] = collections.deque()  # to run one at a time, on an empty engine
+        self._solo: str | None = None  # the request running alone now
         self._pending: dict[str, _Pending] = {}
         self._ids = itertools.count()
         self._fatal: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="clover-engine", daemon=True)
         self._thread.start()
 
-    async def submit(self, prompt_ids: list[int], *, name: str = "request") -> Generation:
+    async def submit(self, prompt_ids: list[int], *, name: str = "request", alone: bool = False) -> Generation:
+        """The prompt's Generation; with `alone`, run when no other request is in the engine, and none joins it."""
         if self._fatal is not None:
             raise self._fatal
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._inbox.put(_Pending(Request(f"{name}#{next(self._ids)}", list(prompt_ids)), future, loop))
+        self._inbox.put(_Pending(Request(f"{name}#{next(self._ids)}", list(prompt_ids)), future, loop, name, alone))
         return await future
 
     # ---- the engine thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            self._take(block=not self.engine.has_work)
+            self._take(block=not self.engine.has_work and not self._waiting and not self._alone)
+            self._admit()
+            if not self.engine.has_work:
+                continue
             try:
                 finished = self.engine.step()
             except ExpertParallelError as e:
@@ -80,14 +98,49 @@ class EngineLoop:
             self._resolve(finished)
 
     def _take(self, *, block: bool) -> None:
-        """Move submitted requests into the engine (waiting for one when the engine is idle)."""
+        """Collect submitted requests (waiting for one when there is nothing else to do)."""
         while True:
             try:
                 item = self._inbox.get(block=block)
             except queue.Empty:
                 return
             block = False
+            (self._alone if item.alone else self._waiting).append(item)
+
+    def _admit(self) -> None:
+        """Move collected requests into the engine. One that must run alone waits for the engine to empty, then
+        runs with no other request until it finishes; the others wait meanwhile."""
+        if self._solo is not None:
+            if self._solo in self._pending and self.engine.has_work:
+                return
+            self._solo = None
+        if self._alone:
+            if self.engine.has_work:
+                return  # the requests in flight finish first
+            item = self._alone.popleft()
+            if self._enter([item], alone=True):
+                self._solo = item.request.id
+            return
+        if self._waiting:
+            items, self._waiting = self._waiting, []
+            self._enter(items, alone=False)
+
+    def _enter(self, items: list[_Pending], *, alone: bool) -> bool:
+        if self._fatal is not None:
+            for item in items:
+                self._finish(item, error=self._fatal)
+            return False
+        if self.on_admit is not None:
+            try:
+                self.on_admit({item.name: alone for item in items})
+            except Exception as e:  # e.g. the attempt records cannot be written: these documents do not run
+                log.warning("cannot admit %d requests: %s: %s", len(items), type(e).__name__, e)
+                for item in items:
+                    self._finish(item, error=e)
+                return False
+        for item in items:
             self._add(item)
+        return True
 
     def _add(self, item: _Pending) -> None:
         if self._fatal is not None:
@@ -133,6 +186,8 @@ class EngineLoop:
         self.engine.restart()  # clears whatever state the failed step left behind
         for i, item in enumerate(suspects):
             try:
+                if self.on_admit is not None:
+                    self.on_admit({item.name: True})  # alone from here: a process death now is its own
                 self.engine.add(item.request)
                 result: dict[str, Generation] = {}
                 while self.engine.has_work:

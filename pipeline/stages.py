@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
+from clover_batch.connectors.attempts import Attempt, AttemptStore
 from clover_batch.connectors.checkpoint import local_checkpoint
-from clover_batch.connectors.faults import fault_point
+from clover_batch.connectors.faults import document_fault, fault_point
 from clover_batch.connectors.fs import Location, read_bytes
-from clover_batch.connectors.sink import write_part
+from clover_batch.connectors.sink import stage_replacement, write_part
 from clover_batch.pipeline.parse_process import parse_isolated
 from clover_batch.pipeline.postprocess import FieldRule, check_extraction, extraction_instruction
 from clover_batch.pipeline.rows import (
@@ -175,7 +177,8 @@ class InferStage:
     so the engine always has the next batch's documents to admit when a slot frees up.
     """
 
-    def __init__(self, model: ModelRef, decode: DecodeOptions, num_threads: int, max_slots: int):
+    def __init__(self, model: ModelRef, decode: DecodeOptions, num_threads: int, max_slots: int,
+                 output: Location | None = None, run_id: str = "", max_attempts: int = 2):
         import torch
         from clover_batch.model import Engine, kernels, load_model
         from clover_batch.pipeline.serving import EngineLoop
@@ -196,12 +199,37 @@ class InferStage:
         self.engine = Engine(self.model, decode, max_slots=max_slots)
         self.kernels = (f"{kernels.describe()}; CUDA graphs {'on' if self.engine.static else 'off'}; "
                         f"{self.model.dtype} on {device}")
+        # Poison documents: attempts are written down as documents enter the engine (output/_attempts/), so one
+        # that keeps killing this process ends as a `crashed` row instead of being retried by Ray forever.
+        self.attempts = AttemptStore(output, run_id) if output is not None else None
+        self.max_attempts = max_attempts
+        self._uris: dict[str, str] = {}  # doc_id -> source URI of documents submitted, for the test-only fault
+        on_admit = self._admitted if self.attempts is not None else None
         if self.replica is None:
-            self.loop = EngineLoop(self.engine)
+            self.loop = EngineLoop(self.engine, on_admit=on_admit)
         else:  # a dead worker rank: restart the workers, rerun what was in flight
-            self.loop = EngineLoop(self.engine, recover=self.replica.restart, max_recoveries=self.replica.max_restarts)
+            self.loop = EngineLoop(self.engine, recover=self.replica.restart, max_recoveries=self.replica.max_restarts,
+                                   on_admit=on_admit)
         log.info("replica loaded %s on %s: %d slots of %.1f MiB", self.model.config.name, device,
                  self.engine.num_slots, self.engine.slot_bytes.total / 2**20)
+
+    def _admitted(self, entering: dict[str, bool]) -> None:
+        """In the engine thread, as documents enter the engine: record their attempts (before they can crash it)."""
+        self.attempts.enter(entering)
+        for doc_id in entering:
+            document_fault("crash_infer", self._uris.get(doc_id, ""))
+
+    async def _run_one(self, row: dict[str, Any], alone: bool):
+        self._uris[row["doc_id"]] = row["source_uri"]
+        try:
+            return await self.loop.submit(row["prompt_ids"], name=row["doc_id"], alone=alone)
+        finally:  # back from the engine, result or error: this process survived it
+            self._uris.pop(row["doc_id"], None)
+            if self.attempts is not None:
+                try:
+                    await asyncio.to_thread(self.attempts.finish, [row["doc_id"]])
+                except Exception as e:  # a record left behind only makes it run alone if it comes back
+                    log.warning("cannot remove the attempt record of %s: %s", row["source_uri"], e)
 
     async def __call__(self, batch: pa.Table) -> AsyncIterator[pa.Table]:
         from clover_batch.model import EngineCapacityError
@@ -210,8 +238,18 @@ class InferStage:
         rows = to_rows(batch)
         todo = [r for r in rows if _ok(r)]
         if todo:
-            results = await asyncio.gather(*(self.loop.submit(r["prompt_ids"], name=r["doc_id"]) for r in todo),
-                                           return_exceptions=True)
+            past = {}
+            if self.attempts is not None:
+                past = await asyncio.to_thread(self.attempts.unfinished, [r["doc_id"] for r in todo])
+            run = []
+            for row in todo:
+                attempts = past.get(row["doc_id"], [])
+                if len(attempts) >= self.max_attempts and any(a.alone for a in attempts):
+                    fail(row, "crashed", crashed_message(attempts, self.max_attempts))
+                else:  # a document that was in the engine when its process died (a suspect) runs alone
+                    run.append((row, bool(attempts)))
+            results = await asyncio.gather(*(self._run_one(row, alone) for row, alone in run), return_exceptions=True)
+            todo = [row for row, _ in run]
             for row, gen in zip(todo, results, strict=True):
                 if isinstance(gen, ExpertParallelError | EngineCapacityError):
                     raise gen  # the replica is broken or too small: not the documents' fault, so no rows for them
@@ -238,6 +276,14 @@ class InferStage:
                 )
             fault_point("inference")
         yield to_table(rows)
+
+
+def crashed_message(attempts: list[Attempt], max_attempts: int) -> str:
+    """The `crashed` row's error: how often, where and when the process died with the document inside."""
+    return (f"the model replica's process died {len(attempts)} times with this document in its engine, at least "
+            f"once with no other document there (input.max_attempts={max_attempts}): "
+            f"{'; '.join(a.describe() for a in attempts)}. Out of memory or a native crash (see the Ray logs of "
+            f"those processes); not run again unless `run --retry-failed`")
 
 
 class PostprocessStage:
@@ -267,16 +313,31 @@ class PostprocessStage:
 
 
 class WriteStage:
-    """Commit each batch as one Parquet part; pass on small stats rows for progress and the run report."""
+    """Commit each batch as one Parquet part; pass on small stats rows for progress and the run report.
+
+    Rows that replace a document's failed row (`run --retry-failed`) are only staged here: the driver swaps them
+    into the parts holding the old rows, one part at a time (connectors.sink.swap_in).
+    """
 
     def __init__(self, output: Location, run_id: str):
         self.output, self.run_id = output, run_id
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         start = time.perf_counter()
-        part = write_part(self.output, batch.select(OUTPUT_SCHEMA.names).cast(OUTPUT_SCHEMA), self.run_id)
+        replaces = pc.fill_null(batch.column("replaces"), False)
+        stats = []
+        for mask, replacing in ((pc.invert(replaces), False), (replaces, True)):
+            rows = batch.filter(mask)
+            if not rows.num_rows:
+                continue
+            out = rows.select(OUTPUT_SCHEMA.names).cast(OUTPUT_SCHEMA)
+            if replacing:
+                part, staged = None, stage_replacement(self.output, out, self.run_id)
+            else:
+                part, staged = write_part(self.output, out, self.run_id), None
+            for row in rows.select([n for n in STATS_SCHEMA.names if n in rows.column_names]).to_pylist():
+                stats.append({**row, "part_uri": part, "replacement": staged})
         seconds = time.perf_counter() - start
-        stats = batch.select([n for n in STATS_SCHEMA.names if n in batch.column_names]).to_pylist()
         for row in stats:
-            row.update(part_uri=part, write_seconds=seconds / max(1, len(stats)))
+            row["write_seconds"] = seconds / max(1, len(stats))
         return to_table(stats, STATS_SCHEMA)

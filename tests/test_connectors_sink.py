@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from clover_batch.connectors.fs import Location
 from clover_batch.connectors.sink import (
+    OutputLock,
     clean_temporaries,
     committed_parts,
     done_doc_ids,
@@ -24,15 +25,21 @@ from clover_batch.connectors.sink import (
 from clover_batch.pipeline.rows import OUTPUT_SCHEMA
 
 
-def _rows(ids):
-    return pa.Table.from_pylist([{"doc_id": i, "status": "ok", "source_uri": f"f/{i}"} for i in ids], OUTPUT_SCHEMA)
+def _rows(ids, status="ok"):
+    return pa.Table.from_pylist([{"doc_id": i, "status": status, "source_uri": f"f/{i}"} for i in ids], OUTPUT_SCHEMA)
+
+
+def _lock(location, run_id, **kwargs):
+    """The lock a run holds while it writes (write_part commits only for the lock's holder)."""
+    return OutputLock(location, run_id, settle_s=0.01, **kwargs)
 
 
 def test_parts_commit_and_doc_ids(tmp_path):
     out = Location(str(tmp_path / "out"))
     assert done_doc_ids(out) == set()
-    write_part(out, _rows(["a", "b"]), "r1")
-    write_part(out, _rows(["c"]), "r1")
+    with _lock(out, "r1"):
+        write_part(out, _rows(["a", "b"]), "r1")
+        write_part(out, _rows(["c"]), "r1")
     assert len(committed_parts(out)) == 2
     assert done_doc_ids(out) == {"a", "b", "c"}
     assert read_output(out).schema.equals(OUTPUT_SCHEMA)
@@ -65,7 +72,8 @@ def test_s3_parts_and_report(s3_server, s3_bucket):
 
     bucket, _ = s3_bucket
     out = Location(f"s3://{bucket}/results", s3_server)
-    uri = write_part(out, _rows(["x", "y"]), "r9")
+    with _lock(out, "r9"):
+        uri = write_part(out, _rows(["x", "y"]), "r9")
     assert uri.startswith(f"s3://{bucket}/results/part-r9-") and uri.endswith(".parquet")
     assert done_doc_ids(out) == {"x", "y"}
     report_uri = write_report(out, "r9", {"processed": 2})
@@ -77,8 +85,9 @@ def test_s3_parts_and_report(s3_server, s3_bucket):
 @pytest.mark.parametrize("n_parts", [1, 3])
 def test_output_reads_with_pyarrow_pandas_duckdb(tmp_path, n_parts):
     out = Location(str(tmp_path))
-    for i in range(n_parts):
-        write_part(out, _rows([f"d{i}a", f"d{i}b"]), "r")
+    with _lock(out, "r"):
+        for i in range(n_parts):
+            write_part(out, _rows([f"d{i}a", f"d{i}b"]), "r")
     write_report(out, "r", {"x": 1})
     assert pq.read_table(str(tmp_path)).num_rows == 2 * n_parts
     assert len(pq.read_table(str(tmp_path)).to_pandas()) == 2 * n_parts
@@ -88,11 +97,13 @@ def test_output_reads_with_pyarrow_pandas_duckdb(tmp_path, n_parts):
 def test_retried_write_of_same_rows_replaces_its_part(tmp_path):
     """Ray retries a write task whose worker died after committing: the retry must not add a second copy."""
     out = Location(str(tmp_path))
-    first = write_part(out, _rows(["b", "a"]), "r1")
-    again = write_part(out, _rows(["a", "b"]), "r1")
+    with _lock(out, "r1"):
+        first = write_part(out, _rows(["b", "a"]), "r1")
+        again = write_part(out, _rows(["a", "b"]), "r1")
     assert first == again
     assert len(committed_parts(out)) == 1 and read_output(out).num_rows == 2
-    assert write_part(out, _rows(["a", "b"]), "r2") != first  # another run is another part
+    with _lock(out, "r2"):
+        assert write_part(out, _rows(["a", "b"]), "r2") != first  # another run is another part
 
 
 @pytest.mark.parametrize("uri", ["local", "memory://manifest-test/out"])
@@ -108,7 +119,8 @@ def test_manifest_guards_output_against_other_settings(tmp_path, uri):
     assert check_manifest(location, settings) is True  # no row committed yet: a failed first run pins nothing
     fs, root = location.filesystem()
     assert json.loads(fs.cat_file(f"{root.rstrip('/')}/{MANIFEST}")) == settings
-    write_part(location, _rows(["d1"]), "r1")
+    with _lock(location, "r1"):
+        write_part(location, _rows(["d1"]), "r1")
     assert check_manifest(location, json.loads(json.dumps(settings))) is False  # same settings: fine
 
     with pytest.raises(OutputConflict) as e:
@@ -123,78 +135,3 @@ def test_manifest_guards_output_against_other_settings(tmp_path, uri):
         check_manifest(location, settings)
 
 
-def _dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-@pytest.mark.parametrize("uri", ["local", "memory://lock-test/out"])
-def test_output_lock_one_run_at_a_time(tmp_path, uri):
-    import socket
-    import time
-
-    from clover_batch.connectors.sink import LOCK, OutputBusy, OutputLock
-
-    location = Location(str(tmp_path / "out") if uri == "local" else uri)
-    fs, root = location.filesystem()
-    path = f"{root.rstrip('/')}/{LOCK}"
-
-    with OutputLock(location, "run-a", heartbeat_s=0.05, settle_s=0.01):
-        first = json.loads(fs.cat_file(path))
-        assert (first["run_id"], first["pid"], first["host"]) == ("run-a", os.getpid(), socket.gethostname())
-        with pytest.raises(OutputBusy, match=r"being written by run run-a .*pid \d+"):
-            OutputLock(location, "run-b", settle_s=0.01).acquire()
-        time.sleep(0.3)
-        assert json.loads(fs.cat_file(path))["heartbeat"] > first["heartbeat"]  # the heartbeat thread runs
-    assert not fs.exists(path)  # released
-
-    # a lock left by a killed process on this host is taken over at once
-    fs.pipe_file(path, json.dumps({"run_id": "killed", "host": socket.gethostname(), "pid": _dead_pid(),
-                                   "heartbeat": time.time()}).encode())
-    with OutputLock(location, "run-c", settle_s=0.01):
-        assert json.loads(fs.cat_file(path))["run_id"] == "run-c"
-
-    # another host's lock: live while its heartbeat is fresh, taken over once it is older than stale_s
-    other = {"run_id": "remote", "host": "elsewhere", "pid": 1, "heartbeat": time.time()}
-    fs.pipe_file(path, json.dumps(other).encode())
-    with pytest.raises(OutputBusy, match="remote"):
-        OutputLock(location, "run-d", stale_s=60, settle_s=0.01).acquire()
-    fs.pipe_file(path, json.dumps({**other, "heartbeat": time.time() - 61}).encode())
-    with OutputLock(location, "run-d", stale_s=60, settle_s=0.01):
-        assert json.loads(fs.cat_file(path))["run_id"] == "run-d"
-
-
-@pytest.mark.parametrize("uri", ["local", "memory://lock-fence/out"])
-def test_output_lock_fences_a_run_that_lost_it(tmp_path, uri):
-    import time
-
-    from clover_batch.connectors.sink import LOCK, OutputBusy, OutputLock, read_lock
-
-    location = Location(str(tmp_path / "out") if uri == "local" else uri)
-    fs, root = location.filesystem()
-    path = f"{root.rstrip('/')}/{LOCK}"
-    a = OutputLock(location, "run-a", heartbeat_s=0.05, settle_s=0.01)
-    a.acquire()
-    assert not OutputLock(location, "run-x", settle_s=0.01)._create()  # create-if-absent: the lock exists
-    write_part(location, _rows(["d1"]), "run-a")  # the holder commits
-
-    # run-a stalls past stale_s; run-b takes over; run-a's heartbeat must not take it back
-    fs.pipe_file(path, json.dumps({**read_lock(location), "heartbeat": time.time() - 500}).encode())
-    b = OutputLock(location, "run-b", stale_s=120, settle_s=0.01)
-    b.acquire()
-    time.sleep(0.3)
-    assert a.lost and read_lock(location)["run_id"] == "run-b"
-    with pytest.raises(OutputBusy, match=r"run run-a no longer holds the lock .*run run-b does"):
-        write_part(location, _rows(["d2"]), "run-a")
-    assert [r["doc_id"] for r in read_output(location).to_pylist()] == ["d1"]
-    a.release()  # releasing a lost lock leaves the new owner's in place
-    assert read_lock(location)["run_id"] == "run-b"
-    b.release()
-
-    # an unparsable lock is judged by its file's age: fresh means busy
-    fs.pipe_file(path, b"{torn")
-    with pytest.raises(OutputBusy, match="being written by run None"):
-        OutputLock(location, "run-c", settle_s=0.01).acquire()
-    with OutputLock(location, "run-c", stale_s=-1, settle_s=0.01):
-        assert read_lock(location)["run_id"] == "run-c"

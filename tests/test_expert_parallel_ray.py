@@ -89,5 +89,5 @@ def test_worker_killed_mid_run_every_document_once(ray_session, tmp_path):
     _, rows_at_kill = killed[0]
     assert rows_at_kill < len(names), "the kill landed after every document was done"
     got = _rows(tmp_path / "out")
-    assert set(got) == set(names) and report["processed"] == len(names)
+    assert set(got) == set(names) and report.processed == len(names)
     assert got == _rows(tmp_path / "ref")  # every document decoded as on one device, after the restart

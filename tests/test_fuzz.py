@@ -99,13 +99,13 @@ def test_fuzz_pipeline_every_file_one_row_and_the_run_completes(ray_session, cor
     start = time.perf_counter()
     report = run(spec).report
     seconds = time.perf_counter() - start
-    print(f"\nfuzz pipeline: {len(corpus)} files in {seconds:.1f} s: {report['by_status']}")
+    print(f"\nfuzz pipeline: {len(corpus)} files in {seconds:.1f} s: {report.by_status}")
 
     rows = read_output(Location(str(out))).to_pylist()
     names = [os.path.basename(r["source_uri"]) for r in rows]
     assert sorted(names) == sorted(corpus)  # every file exactly once
-    assert report["processed"] == report["output_rows"] == len(corpus)
-    assert set(report["by_status"]) <= DOCUMENT_STATUSES, report["by_status"]
+    assert report.processed == report.output_rows == len(corpus)
+    assert set(report.by_status) <= DOCUMENT_STATUSES, report.by_status
     by_name = {os.path.basename(r["source_uri"]): r for r in rows}
     for name, row in by_name.items():
         if row["status"] == "ok":

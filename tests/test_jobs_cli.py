@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 from clover_batch.connectors.fs import Location
-from clover_batch.connectors.sink import write_part
+from clover_batch.connectors.sink import OutputLock, write_part
 from clover_batch.jobs.cli import app
 from clover_batch.pipeline.rows import OUTPUT_SCHEMA
 from typer.testing import CliRunner
@@ -22,7 +22,8 @@ def test_show_counts_by_status_and_samples(tmp_path):
         {"doc_id": "2", "source_uri": "b.pdf", "status": "ok", "output_text": "Another.", "output_tokens": 2},
         {"doc_id": "3", "source_uri": "c.pdf", "status": "encrypted", "error": "the PDF is encrypted"},
     ]
-    write_part(Location(str(tmp_path)), pa.Table.from_pylist(rows, OUTPUT_SCHEMA), "r1")
+    with OutputLock(Location(str(tmp_path)), "r1"):
+        write_part(Location(str(tmp_path)), pa.Table.from_pylist(rows, OUTPUT_SCHEMA), "r1")
     result = CliRunner().invoke(app, ["show", str(tmp_path), "--samples", "1"])
     assert result.exit_code == 0, result.output
     assert "3 rows in 1 parts" in result.output

@@ -89,17 +89,17 @@ def test_rerun_skips_done_and_new_documents_are_processed(ray_session, tmp_path)
     out = tmp_path / "out"
     spec = parse_job(job_raw(str(docs), str(out), resources={"batch_size": 1}))
     first = run(spec)
-    assert first.report["processed"] == 4
+    assert first.report.processed == 4
     parts_before = {p: open(p, "rb").read() for p in committed_parts(Location(str(out)))}
 
     again = run(spec)
-    assert (again.report["processed"], again.report["skipped_done"]) == (0, 4)
+    assert (again.report.processed, again.report.skipped_done) == (0, 4)
     assert {p: open(p, "rb").read() for p in committed_parts(Location(str(out)))} == parts_before
 
     (docs / "new-a.txt").write_text("A new memo about budgets.")
     shutil.copy(docs / "lease.pdf", docs / "new-b.pdf")
     third = run(spec)
-    assert (third.report["processed"], third.report["skipped_done"]) == (2, 4)
+    assert (third.report.processed, third.report.skipped_done) == (2, 4)
     table = read_output(Location(str(out)))
     assert table.num_rows == 6 and len(set(table.column("doc_id").to_pylist())) == 6
     new_rows = [r for r in table.to_pylist() if r["run_id"] == third.run_id]
@@ -137,7 +137,7 @@ def test_extract_task_checks_answers(ray_session, tmp_path):
     rows = read_output(Location(str(tmp_path / "out"))).to_pylist()
     assert len(rows) == 2
     # random tiny weights never write a valid JSON object: every answer is refused, with the reason
-    assert report["by_status"] == {"invalid_output": 2}
+    assert report.by_status == {"invalid_output": 2}
     for row in rows:
         assert row["output_json"] is None and row["output_text"] is not None
         assert row["error"].startswith("extraction answer refused:")
@@ -166,9 +166,9 @@ def test_ray_batches_feed_one_engine_per_replica(ray_session, tmp_path):
     spec = parse_job(job_raw(str(docs), str(tmp_path / "out"), decode=decode,
                              resources={"batch_size": 2, "max_slots": 8}))
     report = run(spec).report
-    assert report["by_status"] == {"ok": 10}
-    assert report["max_decode_batch"] > 2
-    assert report["kernels"] == ["torch; CUDA graphs off; torch.float32 on cpu"]
+    assert report.by_status == {"ok": 10}
+    assert report.max_decode_batch > 2
+    assert report.kernels == ["torch; CUDA graphs off; torch.float32 on cpu"]
     model, builder = load_model("tiny"), PromptBuilder("tiny")
     for row in read_output(Location(str(tmp_path / "out"))).to_pylist():
         ids = builder.build("Summarize.", (docs / os.path.basename(row["source_uri"])).read_text())

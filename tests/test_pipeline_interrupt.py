@@ -54,8 +54,8 @@ def test_kill_then_rerun_gives_one_row_per_document(ray_session, tmp_path, fault
         assert len(os.listdir(out / "_tmp")) >= 1  # the half-written part, invisible to readers
 
     report = run(parse_job(raw)).report
-    assert report["skipped_done"] == committed
-    assert report["processed"] == 6 - committed
+    assert report.skipped_done == committed
+    assert report.processed == 6 - committed
     table = pq.read_table(str(out))
     assert table.num_rows == 6
     assert len(set(table.column("doc_id").to_pylist())) == 6
@@ -93,7 +93,7 @@ def test_overlapping_run_is_refused_and_nothing_is_doubled(ray_session, tmp_path
     assert table.num_rows == 4 and len(set(table.column("doc_id").to_pylist())) == 4
     assert not (out / LOCK).exists()
     again = run(parse_job(raw)).report  # the next scheduled run finds everything done
-    assert (again["processed"], again["skipped_done"]) == (0, 4)
+    assert (again.processed, again.skipped_done) == (0, 4)
 
 
 def test_kill_while_writing_to_s3_then_rerun(ray_session, s3_server, s3_bucket, tmp_path):
@@ -122,7 +122,7 @@ def test_kill_while_writing_to_s3_then_rerun(ray_session, s3_server, s3_bucket, 
 
     # the killed driver's lock is taken over at once (its pid is gone on this host); one row per document
     report = run(parse_job(raw)).report
-    assert (report["skipped_done"], report["processed"]) == (2, 3)
+    assert (report.skipped_done, report.processed) == (2, 3)
     table = read_output(location)
     assert table.num_rows == 5 and len(set(table.column("doc_id").to_pylist())) == 5
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="results/")["Contents"]]

@@ -27,11 +27,11 @@ def test_s3_in_and_out(ray_session, s3_server, s3_bucket, tmp_path):
         output={"storage_options": s3_server},
     )
     report = run(parse_job(raw)).report
-    assert report["processed"] == 6 and report["by_status"] == {"ok": 4, "truncated_pdf": 1, "decode_error": 1}
+    assert report.processed == 6 and report.by_status == {"ok": 4, "truncated_pdf": 1, "decode_error": 1}
 
     keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="results/")["Contents"])
     parts = [k for k in keys if k.endswith(".parquet")]
-    assert keys == sorted([*parts, "results/_job.json", f"results/_reports/{report['run_id']}.json"])
+    assert keys == sorted([*parts, "results/_job.json", f"results/_reports/{report.run_id}.json"])
     rows = []
     for key in parts:
         body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
@@ -46,10 +46,10 @@ def test_s3_in_and_out(ray_session, s3_server, s3_bucket, tmp_path):
 
     assert by_uri[f"s3://{bucket}/incoming/faq.md"]["doc_id"] == document_id(f"s3://{bucket}/incoming/faq.md", etag)
     stored = json.loads(
-        client.get_object(Bucket=bucket, Key=f"results/_reports/{report['run_id']}.json")["Body"].read()
+        client.get_object(Bucket=bucket, Key=f"results/_reports/{report.run_id}.json")["Body"].read()
     )
     assert stored["output_rows"] == 6
     assert "storage_options" not in json.dumps(stored["job"])  # credentials stay out of the report
 
     again = run(parse_job(raw)).report
-    assert (again["processed"], again["skipped_done"], again["output_rows"]) == (0, 6, 6)
+    assert (again.processed, again.skipped_done, again.output_rows) == (0, 6, 6)
