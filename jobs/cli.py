@@ -175,6 +175,8 @@ def _print_report(report: RunReport) -> None:
         f"{report.output_rows} rows in the output; up to {report.max_decode_batch} documents decoded "
         "together"
     )
+    for kernels in report.kernels:
+        console.print(f"replica: {kernels}", highlight=False)
 
 
 @app.command()
