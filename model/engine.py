@@ -23,7 +23,11 @@ Notable choices:
   committing row also takes its next block's first denoising step in it: at k=8 a 32-token block then costs a row
   4 forwards instead of 5. A sequence's last block is never committed (nothing reads it).
 - One host sync per decode step: after the forward, tokens, confidences and the block updates are computed on the
-  device for all rows, and one read-back brings the blocks (or tokens) and the done flags to the host.
+  device for all rows, and one read-back brings the blocks (or tokens) and the done flags to the host. Everything
+  the host sends (token ids, committing rows, block limits) is copied before the forward is queued, since a host
+  to device copy queued behind the forward would wait for it. Not counted: the fp32 grouped expert GEMM on CUDA
+  (the reference loop reads expert offsets back; bf16 uses the grouped kernel) and flex_attention's first call of
+  a shape (compilation).
 - Sampling (temperature > 0) draws from each request's own generator, seeded from its `seed` (or from the
   options' seed and its id), so a request gets the same output whatever else is in flight.
 """
@@ -457,19 +461,21 @@ class Engine:
         # [current block | masks as padding after it, which no query of the block sees]
         denoise = list(range(n)) if merge else [i for i, lv in enumerate(lives) if not lv.commit_next]
         block, limit = self.block[:n], self.limit[:n]
+        dev = block.device
+        if commit:  # host -> device copies before the forward is queued: after it, a copy would wait for it (a sync)
+            commit_idx = torch.tensor(commit, dtype=torch.long, device=dev)
+            # how much of each fresh block may be filled is known on the host
+            room = torch.tensor([min(bs, lives[i].max_new - len(lives[i].out)) for i in commit], dtype=torch.long,
+                                device=dev)
         ids = torch.cat([block, torch.full_like(block, d.mask_token_id)], dim=1) if merge else block
         logits = self._forward_decode(ids, commit, commit_tokens=bs, attention="block_causal", keep_logits=None)
         self.stats.forwards += 1
-        dev = block.device
         readback: list[list[int]] = []
         if commit:
-            commit_idx = torch.tensor(commit, dtype=torch.long, device=dev)
             if d.logits_shift:  # the next block's first position is predicted from this block's last
                 self.logits.index_copy_(0, commit_idx, logits.index_select(0, commit_idx)[:, bs - 1].float())
-            # a fresh block of masks; how much of it may be filled is known on the host
-            block.index_fill_(0, commit_idx, d.mask_token_id)
-            room = [min(bs, lives[i].max_new - len(lives[i].out)) for i in commit]
-            limit.index_copy_(0, commit_idx, torch.tensor(room, dtype=torch.long, device=dev))
+            block.index_fill_(0, commit_idx, d.mask_token_id)  # a fresh block of masks
+            limit.index_copy_(0, commit_idx, room)
         if merge:  # each row's block logits: the second half for committing rows, the first for the others
             first = torch.zeros(n, dtype=torch.long, device=dev).index_fill_(0, commit_idx, bs)
             where = (first[:, None] + self._positions)[..., None].expand(n, bs, logits.shape[-1])
