@@ -33,7 +33,8 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=16)
     ap.add_argument("--words", type=int, default=40, help="words in the first document (about 7 tokens each)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=4, help="documents per Ray batch, and per loop generate() call")
+    ap.add_argument("--max-slots", type=int, default=16, help="documents the replica's engine decodes at once")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the loop and of the one replica")
     ap.add_argument("--repeats", type=int, default=2, help="pipeline runs (the loop runs once more)")
     args = ap.parse_args()
@@ -83,7 +84,8 @@ def main() -> None:
                 "model": {"source": args.model},
                 "task": {"kind": "summarize", "instruction": instruction},
                 "decode": decode,
-                "resources": {"replicas": 1, "cpus_per_replica": args.threads, "batch_size": args.batch_size},
+                "resources": {"replicas": 1, "cpus_per_replica": args.threads, "batch_size": args.batch_size,
+                              "max_slots": args.max_slots},
             }
         )
         report = run(spec).report
@@ -99,17 +101,18 @@ def main() -> None:
     loop_runs.append(plain_loop())
     ray.shutdown()
     loop_s, loop_tokens = min(loop_runs)
-    report = min(pipe_reports, key=lambda r: r["wall_seconds"])
+    report = min(pipe_reports, key=lambda r: r.wall_seconds)
     pipe_s = report.wall_seconds
 
     n_in = sum(len(p) for p in prompts)
     print(
         f"model={args.model} docs={args.docs} prompt_tokens={n_in} max_new_tokens={args.max_new_tokens} "
-        f"batch={args.batch_size} threads={args.threads} torch={torch.__version__} cpus={os.cpu_count()}"
+        f"batch={args.batch_size} max_slots={args.max_slots} threads={args.threads} torch={torch.__version__} "
+        f"cpus={os.cpu_count()}"
     )
     print(f"{'':10s} {'seconds':>8s} {'docs/s':>8s} {'out tok/s':>10s} {'out tokens':>10s}")
     loop_list = ", ".join(format(t, ".2f") for t, _ in loop_runs)
-    pipe_list = ", ".join(format(r["wall_seconds"], ".2f") for r in pipe_reports)
+    pipe_list = ", ".join(format(r.wall_seconds, ".2f") for r in pipe_reports)
     print(f"loop runs: {loop_list} s; pipeline runs: {pipe_list} s (best of each below)")
     print(f"{'loop':10s} {loop_s:8.2f} {args.docs / loop_s:8.3f} {loop_tokens / loop_s:10.1f} {loop_tokens:10d}")
     print(
