@@ -16,8 +16,9 @@ Notable choices:
   sharing one memory pool.
 - `capture=False` runs the very same static-shape function eagerly: on a CPU that is what tests compare with the
   engine's ordinary step.
-- CUDA graphs need bf16 weights: the fp32 grouped expert GEMM on CUDA takes a per-expert loop that reads the
-  expert offsets back to the host.
+- CUDA graphs need bf16 weights (the fp32 grouped expert GEMM on CUDA takes a per-expert loop that reads the
+  expert offsets back to the host) and all experts on the device (the expert-parallel exchange agrees on row
+  counts through the host).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .clover import CloverModel
+from .moe import LocalDispatcher
 from .slots import SlotRows, SlotState
 
 log = logging.getLogger(__name__)
@@ -38,10 +40,12 @@ GRAPHS_ENV = "CLOVER_CUDA_GRAPHS"
 
 
 def graphs_wanted(model: CloverModel) -> bool:
-    """The default: CUDA graphs on a CUDA device with bf16 weights, unless CLOVER_CUDA_GRAPHS=0."""
+    """The default: CUDA graphs on a CUDA device with bf16 weights, unless CLOVER_CUDA_GRAPHS=0 or the experts are
+    spread over ranks (the expert-parallel exchange agrees on row counts through the host every round)."""
     if os.environ.get(GRAPHS_ENV, "1").strip() == "0":
         return False
-    return model.device.type == "cuda" and model.dtype == torch.bfloat16
+    local = all(isinstance(layer.mlp.dispatcher, LocalDispatcher) for layer in model.layers)
+    return model.device.type == "cuda" and model.dtype == torch.bfloat16 and local
 
 
 def bucket(n: int, most: int) -> int:
