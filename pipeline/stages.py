@@ -169,6 +169,9 @@ class TokenizeStage:
         return to_table(rows)
 
 
+EP_MAX_RESTARTS = 2  # restarts in a row of an expert-parallel replica's workers before the run fails
+
+
 class InferStage:
     """One model replica (a Ray actor) and its continuous-batching engine, fed by several Ray batches at once.
 
@@ -183,33 +186,37 @@ class InferStage:
         from clover_batch.model import Engine, kernels, load_model
         from clover_batch.pipeline.serving import EngineLoop
 
-        torch.set_num_threads(max(1, num_threads))
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[model.dtype]
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.replica = None
-        if model.expert_parallel > 1:
-            from clover_batch.pipeline.expert_parallel import load_replica
-
-            self.replica = load_replica(model.local(), expert_parallel=model.expert_parallel, dtype=model.dtype,
-                                        device=device, num_threads=max(1, num_threads),
-                                        num_gpus_per_rank=1.0 if device == "cuda" else 0.0)
-            self.model = self.replica.model
-        else:
-            self.model = load_model(model.local(), device=device, dtype=dtype)
-        self.engine = Engine(self.model, decode, max_slots=max_slots)
-        self.kernels = (f"{kernels.describe()}; CUDA graphs {'on' if self.engine.static else 'off'}; "
-                        f"{self.model.dtype} on {device}")
         # Poison documents: attempts are written down as documents enter the engine (output/_attempts/), so one
         # that keeps killing this process ends as a `crashed` row instead of being retried by Ray forever.
         self.attempts = AttemptStore(output, run_id) if output is not None else None
         self.max_attempts = max_attempts
         self._uris: dict[str, str] = {}  # doc_id -> source URI of documents submitted, for the test-only fault
         on_admit = self._admitted if self.attempts is not None else None
-        if self.replica is None:
-            self.loop = EngineLoop(self.engine, on_admit=on_admit)
-        else:  # a dead worker rank: restart the workers, rerun what was in flight
-            self.loop = EngineLoop(self.engine, recover=self.replica.restart, max_recoveries=self.replica.max_restarts,
-                                   on_admit=on_admit)
+
+        def build() -> Engine:
+            """On the engine thread: the replica's torch work all happens there (see pipeline/serving.py)."""
+            torch.set_num_threads(max(1, num_threads))
+            if model.expert_parallel > 1:
+                from clover_batch.pipeline.expert_parallel import load_replica
+
+                self.replica = load_replica(model.local(), expert_parallel=model.expert_parallel, dtype=model.dtype,
+                                            device=device, num_threads=max(1, num_threads),
+                                            num_gpus_per_rank=1.0 if device == "cuda" else 0.0,
+                                            max_restarts=EP_MAX_RESTARTS)
+                self.model = self.replica.model
+            else:
+                self.model = load_model(model.local(), device=device, dtype=dtype)
+            return Engine(self.model, decode, max_slots=max_slots)
+
+        # a dead worker rank of an expert-parallel replica: restart the workers, rerun what was in flight
+        recover = (lambda: self.replica.restart()) if model.expert_parallel > 1 else None  # type: ignore[union-attr]
+        self.loop = EngineLoop(build, recover=recover, max_recoveries=EP_MAX_RESTARTS, on_admit=on_admit)
+        self.engine = self.loop.engine
+        self.kernels = (f"{kernels.describe()}; CUDA graphs {'on' if self.engine.static else 'off'}; "
+                        f"{self.model.dtype} on {device}")
         log.info("replica loaded %s on %s: %d slots of %.1f MiB", self.model.config.name, device,
                  self.engine.num_slots, self.engine.slot_bytes.total / 2**20)
 

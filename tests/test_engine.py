@@ -244,6 +244,30 @@ def test_engine_loop_serves_concurrent_batches_and_isolates_a_failing_request(mo
         assert results[i].tokens == generate(model, [prompts[i]], options)[0].tokens
 
 
+def test_engine_loop_builds_its_engine_on_its_own_thread_and_raises_a_build_error(models):
+    """Given a builder, the loop loads the model on the engine thread (all of a replica's torch work on one
+    thread); a builder that fails makes the constructor fail with its error, and no thread is left serving."""
+    import threading
+
+    threads = []
+    options = DecodeOptions(max_new_tokens=6, tokens_per_step=2)
+
+    def build():
+        threads.append(threading.current_thread())
+        return Engine(load_model("tiny"), options, max_slots=2)
+
+    loop = EngineLoop(build)
+    assert threads == [loop._thread] and threads[0] is not threading.current_thread()
+    got = asyncio.run(loop.submit(PROMPTS["a"]))
+    assert got.tokens == generate(models["tiny"], [PROMPTS["a"]], options)[0].tokens
+
+    def broken():
+        raise FileNotFoundError("no config.json in /nowhere")
+
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        EngineLoop(broken)
+
+
 @pytest.mark.parametrize("mode", ["threshold", "fixed-k3", "sampling", "logits-shift"])
 def test_merged_commits_equal_separate_commits(models, mode):
     """A finished block committed in the same forward as the next block's first denoising step gives exactly the
