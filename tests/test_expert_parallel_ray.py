@@ -26,8 +26,10 @@ def _rows(out) -> dict[str, tuple]:
 
 
 def _job(docs, out, n: int):
+    # two documents decode at once: the documents go through the replica in waves, so rows are committed while
+    # others are still decoding (with all of them in one engine batch they would all finish together)
     return parse_job(job_raw(str(docs), str(out), model={"source": "tiny", "expert_parallel": n},
-                             decode={"max_new_tokens": 24}, resources={"batch_size": 1},
+                             decode={"max_new_tokens": 24}, resources={"batch_size": 1, "max_slots": 2},
                              output={"rows_per_file": 1}))
 
 
