@@ -154,6 +154,36 @@ def inspect(
     console.print(table)
 
 
+@model_app.command("train-demo")
+def train_demo_command(
+    out: Annotated[Path, typer.Option(help="Checkpoint directory to write.")] = Path("jobs/examples/demo"),
+    seed: Annotated[int, typer.Option(help="Seed of the tokenizer corpus, initialisation, data order and noise.")] = 0,
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps (default: the recipe's).")] = None,
+    threads: Annotated[int, typer.Option(help="CPU threads for training.")] = 2,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a checkpoint already in --out.")] = False,
+) -> None:
+    """Train the small `demo` checkpoint on synthetic documents (CPU, under an hour on 2 cores); see
+    jobs/demo_model.py."""
+    import dataclasses
+    import logging
+
+    from clover_batch.jobs.demo_model import Recipe, train_demo
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    recipe = Recipe(seed=seed, threads=threads)
+    if steps is not None:
+        recipe = dataclasses.replace(recipe, steps=steps)
+    with _clean_errors():
+        try:
+            report = train_demo(out, recipe, overwrite=overwrite)
+        except FileExistsError as e:
+            raise CommandError(str(e)) from None
+    size = (out / "model.safetensors").stat().st_size
+    console.print(f"wrote {out}: {report['parameters']['total'] / 1e6:.2f}M parameters, model.safetensors "
+                  f"{size / 1e6:.1f} MB, final loss {report['loss_curve']['loss'][-1]}, "
+                  f"{report['seconds']['total'] / 60:.1f} min", highlight=False, soft_wrap=True)
+
+
 def generate_text(source: str, prompt: str, options: DecodeOptions, *, raw: bool = False, dtype: str = "float32"):
     """Load `source`, generate for one text prompt; returns (text, Generation)."""
     import torch

@@ -1,58 +1,65 @@
-"""Regenerate the example documents in jobs/examples/docs (run once; the outputs are committed)."""
+"""Regenerate the example documents in jobs/examples/docs (run once; the outputs are committed).
 
+    python jobs/examples/make_example_docs.py
+
+They are synthetic documents of the kinds the `demo` checkpoint was trained on (jobs/demo_corpus.py), drawn from
+seeds used neither for training nor for the held-out evaluation: for each file below, the first seed of
+EXAMPLE_SEEDS that gives its kind (and length). Two are real PDFs made with pymupdf (one of them two pages), one is
+markdown, and one is longer than the demo model's attention window with all its facts before it. The targets
+(summary and extraction) are written to jobs/examples/expected.json for checking the demo job's answers.
+"""
+
+import json
 from pathlib import Path
 
 import pymupdf
+from clover_batch.jobs.demo_corpus import EXAMPLE_SEEDS, make_document
 
-DOCS = Path(__file__).parent / "docs"
+HERE = Path(__file__).parent
+DOCS = HERE / "docs"
 
-LEASE = [
-    "COMMERCIAL LEASE AGREEMENT",
-    "This lease is made on 1 March 2026 between Harbour Properties Ltd (the Landlord) and Northwind Analytics "
-    "(the Tenant) for the office premises at 14 Quay Street, Unit 3.",
-    "Term: thirty-six months starting 1 April 2026. Rent: 4,200 EUR per month, payable in advance on the first "
-    "business day of each month. Deposit: three months' rent.",
-    "The Tenant may end the lease after eighteen months with six months' written notice. The Landlord maintains "
-    "the roof and structure; the Tenant maintains the interior.",
-]
-REPORT_PAGES = [
-    ["Quarterly Operations Report, Q3 2026", "Shipments grew 12% over Q2, driven by the new Rotterdam hub.",
-     "On-time delivery reached 96.1%, up from 93.4%."],
-    ["Costs", "Fuel costs fell 4%. Warehouse staffing rose by 18 people to cover the new hub.",
-     "Claims for damaged goods were flat at 0.3% of shipments."],
-    ["Outlook", "We expect Q4 volume to rise 8% with the holiday season; a second sorting line opens in November."],
-]
+# file name -> (kind, long, markdown, pages)
+FILES = {
+    "lease-agreement.pdf": ("lease agreement", False, False, 1),
+    "invoice.pdf": ("invoice", False, False, 2),
+    "meeting-minutes.txt": ("meeting minutes", False, False, 0),
+    "purchase-order.md": ("purchase order", False, True, 0),
+    "incident-report-long.txt": ("incident report", True, False, 0),
+}
 
 
-def write_pdf(path: Path, pages: list[list[str]]) -> None:
+def first_document(kind: str, long: bool, markdown: bool):
+    for seed in EXAMPLE_SEEDS:
+        doc = make_document(seed, kind=kind, long=long, wrap=False)
+        if doc.extra["markdown"] == markdown:
+            return doc
+    raise RuntimeError(f"no example seed gives a {kind}")
+
+
+def write_pdf(path: Path, text: str, pages: int) -> None:
+    paragraphs = text.strip().split("\n\n")
+    cut = -(-len(paragraphs) // pages)
     doc = pymupdf.open()
-    for lines in pages:
+    for i in range(pages):
         page = doc.new_page()
-        page.insert_textbox(pymupdf.Rect(72, 72, 540, 770), "\n\n".join(lines), fontsize=11)
+        page.insert_textbox(pymupdf.Rect(72, 72, 540, 770), "\n\n".join(paragraphs[i * cut:(i + 1) * cut]),
+                            fontsize=11)
     doc.save(path, garbage=4, deflate=True)
 
 
 def main() -> None:
     DOCS.mkdir(exist_ok=True)
-    write_pdf(DOCS / "lease-agreement.pdf", [LEASE])
-    write_pdf(DOCS / "operations-report.pdf", REPORT_PAGES)
-    (DOCS / "meeting-notes.txt").write_text(
-        "Meeting notes, 2 November 2026\n\nAttendees: Ana, Bo, Chidi.\n"
-        "Decisions: move the release to 20 November; Bo owns the migration plan; "
-        "Chidi reviews the on-call rota by Friday.\n"
-    )
-    (DOCS / "product-faq.md").write_text(
-        "# Product FAQ\n\n## What does the batch service do?\nIt summarizes long documents.\n\n"
-        "## Which formats?\nPDF, plain text and Markdown.\n"
-    )
-    # Longer than the tiny preset's 256-token window, so its prompt spans several windows.
-    paragraphs = [
-        f"Section {i}. The committee reviewed item {i} of the annual plan, noting the budget of {1000 + 37 * i} "
-        f"EUR, the owner team {'ABCDEFGH'[i % 8]}, and a deadline in week {(i * 7) % 52 + 1}. "
-        "Risks were discussed and mitigations agreed; progress will be reported at the next meeting."
-        for i in range(1, 4)
-    ]
-    (DOCS / "annual-plan-minutes.txt").write_text("Annual plan review minutes\n\n" + "\n\n".join(paragraphs) + "\n")
+    for old in DOCS.iterdir():
+        old.unlink()
+    expected = {}
+    for name, (kind, long, markdown, pages) in FILES.items():
+        doc = first_document(kind, long, markdown)
+        if pages:
+            write_pdf(DOCS / name, doc.text, pages)
+        else:
+            (DOCS / name).write_text(doc.text)
+        expected[name] = {"seed": doc.seed, "summary": doc.summary, "extraction": json.loads(doc.extraction)}
+    (HERE / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,286 @@
+"""The `demo` checkpoint: a small Clover-shaped block-diffusion model trained here, on CPU, on the synthetic
+documents of `jobs/demo_corpus.py`, for the two example jobs (jobs/examples/summarize-local.yaml and
+extract-local.yaml).
+
+`clover-batch model train-demo --out jobs/examples/demo` is the one command that makes it (seeded):
+
+    BPE tokenizer trained on corpus text (digits split one per token; the chat special tokens and a mask token)
+    -> training pairs: the example jobs' own prompts (PromptBuilder: chat template + instruction + document)
+       and the document's target summary / extraction JSON, ending with <|im_end|>
+    -> block-diffusion training (clover_batch.model.train) of the DEMO_SHAPE model
+    -> config.json, model.safetensors, tokenizer.json and training.json (recipe, loss curve, time, load)
+
+The model is meaningful only on documents like the synthetic ones and with those two instructions; real work
+needs real Clover weights. Its attention window (`window_tokens`) is deliberately small, so a long document's
+early facts reach the answer only through the carried Gated DeltaNet state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from clover_batch.jobs.demo_corpus import EXTRACT_FIELDS, TRAIN_SEEDS, Document, make_document
+
+log = logging.getLogger(__name__)
+
+EXAMPLES = Path(__file__).parent / "examples"
+DEMO_DIR = EXAMPLES / "demo"
+SUMMARIZE_JOB = EXAMPLES / "summarize-local.yaml"
+EXTRACT_JOB = EXAMPLES / "extract-local.yaml"
+
+# ids 0..3 of the demo tokenizer; the BPE vocabulary follows
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
+ENDOFTEXT_ID, IM_START_ID, IM_END_ID, MASK_ID = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class DemoShape:
+    """The demo model's shape (a CloverConfig without the derived fields)."""
+
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    layers: int = 6  # every third layer full attention, the others Gated DeltaNet
+    full_attention_interval: int = 3
+    attention_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    gdn_key_heads: int = 2
+    gdn_value_heads: int = 4
+    gdn_head_dim: int = 32
+    experts: int = 8
+    experts_per_token: int = 2
+    expert_width: int = 128
+    shared_expert_width: int = 256
+    block_size: int = 16
+    window_tokens: int = 256
+    prefill_chunk_tokens: int = 512
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything the training run depends on; written to training.json beside the weights."""
+
+    seed: int = 0
+    steps: int = 1500
+    batch_size: int = 16  # documents per step
+    lr: float = 3e-3
+    warmup: int = 60
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    eps: float = 0.1  # smallest mask rate
+    noise_copies: int = 2
+    extract_share: float = 0.5  # share of training pairs that are extractions (the rest summaries)
+    long_share: float = 0.2  # share of long documents (facts, then more than a window of log and notes)
+    tokenizer_docs: int = 4000  # documents the BPE is trained on
+    threads: int = 2
+
+
+def demo_config(shape: DemoShape):
+    from clover_batch.model import CloverConfig, DiffusionConfig
+
+    layer_types = tuple("full_attention" if (i + 1) % shape.full_attention_interval == 0 else "linear_attention"
+                        for i in range(shape.layers))
+    return CloverConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, layer_types=layer_types,
+        num_attention_heads=shape.attention_heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+        partial_rotary_factor=0.5, rope_theta=10_000.0,
+        linear_num_key_heads=shape.gdn_key_heads, linear_num_value_heads=shape.gdn_value_heads,
+        linear_key_head_dim=shape.gdn_head_dim, linear_value_head_dim=shape.gdn_head_dim, linear_conv_kernel_dim=4,
+        num_experts=shape.experts, num_experts_per_tok=shape.experts_per_token,
+        moe_intermediate_size=shape.expert_width, shared_expert_intermediate_size=shape.shared_expert_width,
+        norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        eos_token_ids=(ENDOFTEXT_ID, IM_END_ID), pad_token_id=ENDOFTEXT_ID,
+        diffusion=DiffusionConfig(block_size=shape.block_size, mask_token_id=MASK_ID),
+        window_tokens=shape.window_tokens, prefill_chunk_tokens=shape.prefill_chunk_tokens, name="demo",
+    )
+
+
+# ---- the example jobs' prompts ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Instructions:
+    summarize: str  # what the summarize job puts before the document
+    extract: str  # the extract job's instruction with its field list
+
+
+def job_instructions() -> Instructions:
+    """The prompt instructions of the two example jobs, built as the pipeline builds them."""
+    from clover_batch.jobs.spec import load_job
+    from clover_batch.pipeline.postprocess import FieldRule
+    from clover_batch.pipeline.stages import TaskRef
+
+    summarize = load_job(str(SUMMARIZE_JOB)).task
+    extract = load_job(str(EXTRACT_JOB)).task
+    if summarize.kind != "summarize" or extract.kind != "extract":
+        raise ValueError(f"{SUMMARIZE_JOB} must be a summarize job and {EXTRACT_JOB} an extract job")
+    fields = {name: {"type": f.type, "description": f.description, **({} if f.required else {"required": False})}
+              for name, f in extract.fields.items()}
+    if fields != EXTRACT_FIELDS:
+        raise ValueError(f"{EXTRACT_JOB} fields differ from the corpus's EXTRACT_FIELDS: the demo model is trained "
+                         f"on the corpus's")
+    rules = tuple(FieldRule(n, f.type, f.description, f.required) for n, f in extract.fields.items())
+    return Instructions(summarize.instruction, TaskRef("extract", extract.instruction, rules).prompt_instruction())
+
+
+# ---- tokenizer --------------------------------------------------------------------------------------------------
+
+
+def train_tokenizer(vocab_size: int, docs: int, instructions: Instructions):
+    """A byte-level BPE on corpus text; digits are single tokens (numbers are copied digit by digit)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    corpus = [make_document(TRAIN_SEEDS[i]) for i in range(docs)]
+    texts = [t for d in corpus for t in (d.text, d.summary, d.extraction)]
+    texts += [instructions.summarize, instructions.extract] * 20
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    for i, t in enumerate(SPECIALS):
+        if tok.token_to_id(t) != i:
+            raise AssertionError(f"special token {t} got id {tok.token_to_id(t)}, expected {i}")
+    return tok
+
+
+# ---- training pairs -------------------------------------------------------------------------------------------
+
+
+class PairMaker:
+    """Document -> (prompt ids, answer ids) through the checkpoint's own PromptBuilder."""
+
+    def __init__(self, checkpoint: Path, instructions: Instructions) -> None:
+        from clover_batch.pipeline.tokenizer import PromptBuilder
+
+        self.builder = PromptBuilder(str(checkpoint))
+        self.instructions = instructions
+
+    def prompt(self, doc: Document, task: str) -> list[int]:
+        instruction = self.instructions.extract if task == "extract" else self.instructions.summarize
+        return self.builder.build(instruction, doc.text)
+
+    def target(self, doc: Document, task: str) -> str:
+        return doc.extraction if task == "extract" else doc.summary
+
+    def example(self, doc: Document, task: str):
+        from clover_batch.model.train import Example
+
+        answer = self.builder.encode(self.target(doc, task), specials=False) + [IM_END_ID]
+        return Example(self.prompt(doc, task), answer)
+
+
+def training_pairs(maker: PairMaker, recipe: Recipe) -> Iterator:
+    """An endless seeded stream of training examples over the TRAIN_SEEDS documents."""
+    rng = random.Random(recipe.seed)
+    i = 0
+    while True:
+        doc = make_document(TRAIN_SEEDS[(recipe.seed * 1_000_003 + i) % len(TRAIN_SEEDS)],
+                            long=rng.random() < recipe.long_share)
+        i += 1
+        yield maker.example(doc, "extract" if rng.random() < recipe.extract_share else "summarize")
+
+
+# ---- the command ----------------------------------------------------------------------------------------------
+
+
+def train_demo(out: Path, recipe: Recipe = Recipe(), shape: DemoShape = DemoShape(), *,
+               overwrite: bool = False) -> dict:
+    """Train the demo checkpoint into `out`; returns the training report (also written as training.json)."""
+    import torch
+    from clover_batch.model import build_model, save_checkpoint
+    from clover_batch.model.train import TrainOptions, batches_by_prefix, init_for_training, train
+
+    files = ("config.json", "model.safetensors", "tokenizer.json", "training.json")
+    if any((out / f).exists() for f in files) and not overwrite:
+        raise FileExistsError(f"{out} already holds a checkpoint; pass --overwrite to replace it")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(recipe.seed)
+    torch.set_num_threads(recipe.threads)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+
+    instructions = job_instructions()
+    tokenizer = train_tokenizer(shape.vocab_size, recipe.tokenizer_docs, instructions)
+    if tokenizer.get_vocab_size(with_added_tokens=True) > shape.vocab_size:
+        raise AssertionError("tokenizer larger than the model's vocabulary")
+    tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer_s = time.perf_counter() - t0
+
+    config = demo_config(shape)
+    model = build_model(config)
+    init_for_training(model, recipe.seed)
+    maker = PairMaker(out, instructions)
+    batches = batches_by_prefix(training_pairs(maker, recipe), recipe.batch_size, shape.block_size,
+                                seed=recipe.seed)
+    options = TrainOptions(steps=recipe.steps, lr=recipe.lr, warmup=recipe.warmup, min_lr_ratio=recipe.min_lr_ratio,
+                           weight_decay=recipe.weight_decay, grad_clip=recipe.grad_clip, eps=recipe.eps,
+                           noise_copies=recipe.noise_copies, seed=recipe.seed)
+
+    def on_log(step: int, loss: float, seconds: float) -> None:
+        log.info("step %d/%d  loss %.4f  %.0f s  load %.2f", step, recipe.steps, loss, seconds, os.getloadavg()[0])
+
+    curve = train(model, batches, options, on_log=on_log)
+    # bf16 on disk halves the file (trained in fp32; jobs load it back as float32 or bfloat16 as they ask)
+    save_checkpoint(model.to(torch.bfloat16), out)
+    total_s = time.perf_counter() - t0
+    total, active = config.parameter_counts()
+    report = {
+        "command": f"clover-batch model train-demo --out {out}",
+        "recipe": asdict(recipe),
+        "shape": asdict(shape),
+        "parameters": {"total": total, "active_per_token": active},
+        "instructions": asdict(instructions),
+        "loss_curve": {"steps": curve.steps, "loss": [round(x, 4) for x in curve.losses]},
+        "tokens_seen": curve.tokens,
+        "seconds": {"tokenizer": round(tokenizer_s, 1), "training": round(curve.seconds, 1),
+                    "total": round(total_s, 1)},
+        "machine": {"cpus": os.cpu_count(), "threads": recipe.threads, "platform": platform.platform(),
+                    "torch": torch.__version__, "load_average_before": [round(x, 2) for x in load_before],
+                    "load_average_after": [round(x, 2) for x in os.getloadavg()]},
+    }
+    (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+# ---- scoring (the bench and the tests) --------------------------------------------------------------------------
+
+
+def field_matches(answer: str, doc: Document) -> dict[str, bool]:
+    """Per EXTRACT_FIELDS field: does the answer, checked as the pipeline checks it, give the document's value?
+
+    An answer the pipeline refuses (no JSON object, a missing required field, a wrong type) matches no field.
+    """
+    from clover_batch.pipeline.postprocess import FieldRule, check_extraction
+
+    rules = [FieldRule(n, f["type"], f["description"], f.get("required", True)) for n, f in EXTRACT_FIELDS.items()]
+    checked = check_extraction(answer, rules)
+    if checked.output_json is None:
+        return dict.fromkeys(EXTRACT_FIELDS, False)
+    got = json.loads(checked.output_json)
+    return {name: got[name] == doc.fields[name] for name in EXTRACT_FIELDS}
+
+
+def token_similarity(ours: list[int], target: list[int]) -> float:
+    """1 - (token edit distance / length of the longer sequence): 1.0 is the exact target."""
+    if not ours and not target:
+        return 1.0
+    prev = list(range(len(target) + 1))
+    for i, a in enumerate(ours, 1):
+        cur = [i] + [0] * len(target)
+        for j, b in enumerate(target, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a != b))
+        prev = cur
+    return 1.0 - prev[-1] / max(len(ours), len(target))

@@ -1,0 +1,140 @@
+"""The synthetic corpus, the example jobs it is tied to, and the committed `demo` checkpoint.
+
+CI never trains the demo model; these tests check the committed one: it loads, its tokenizer works with the
+pipeline's PromptBuilder, and it answers held-out documents.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from clover_batch.jobs.demo_corpus import (
+    EXAMPLE_SEEDS,
+    EXTRACT_FIELDS,
+    HELD_OUT_SEEDS,
+    KINDS,
+    TRAIN_SEEDS,
+    held_out,
+    make_document,
+)
+from clover_batch.jobs.demo_model import (
+    DEMO_DIR,
+    IM_END_ID,
+    MASK_ID,
+    SPECIALS,
+    PairMaker,
+    field_matches,
+    job_instructions,
+    token_similarity,
+)
+from clover_batch.model import generate, load_model
+from clover_batch.pipeline.postprocess import FieldRule, check_extraction
+from clover_batch.pipeline.tokenizer import PromptBuilder
+
+RULES = [FieldRule(n, f["type"], f["description"], f.get("required", True)) for n, f in EXTRACT_FIELDS.items()]
+
+
+def test_documents_are_reproducible_and_seed_ranges_disjoint():
+    assert make_document(123).text == make_document(123).text
+    assert make_document(123).text != make_document(124).text
+    ranges = sorted([TRAIN_SEEDS, HELD_OUT_SEEDS, EXAMPLE_SEEDS], key=lambda r: r.start)
+    assert all(a.stop <= b.start for a, b in zip(ranges, ranges[1:], strict=False))
+    assert [d.seed for d in held_out(3)] == list(HELD_OUT_SEEDS[:3])
+
+
+def test_targets_follow_the_fields_and_pass_the_pipeline_checks():
+    docs = [make_document(s) for s in range(300)]
+    assert {d.kind for d in docs} == set(KINDS)
+    assert any(d.extra["long"] for d in docs) and any(d.extra["wrap"] for d in docs)
+    for d in docs:
+        checked = check_extraction(d.extraction, RULES)
+        assert checked.error is None, (d.seed, checked.error)
+        assert json.loads(checked.output_json) == d.fields
+        assert list(json.loads(d.extraction)) == list(EXTRACT_FIELDS)
+        assert all(field_matches(d.extraction, d).values())
+        assert d.fields["document_type"] == d.kind
+        # the facts a target uses are in the text: every party and the amount as written
+        for party in d.fields["parties"]:
+            assert party in d.text.replace("\n", " "), (d.seed, party)
+        if d.fields["amount_eur"] is not None:
+            assert f"{d.fields['amount_eur']:,}" in d.text, d.seed
+        assert d.summary.endswith(".")
+
+
+def test_scoring():
+    d = make_document(7)
+    wrong = json.loads(d.extraction)
+    wrong["date"] = "1999-01-01"
+    got = field_matches(json.dumps(wrong), d)
+    assert not got["date"] and sum(got.values()) == len(EXTRACT_FIELDS) - 1
+    assert not any(field_matches("no json here", d).values())
+    assert token_similarity([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert token_similarity([1, 2, 9, 4], [1, 2, 3, 4]) == 0.75
+    assert token_similarity([1, 2], [1, 2, 3, 4]) == 0.5
+    assert token_similarity([], [1]) == 0.0
+
+
+def test_example_jobs_use_the_corpus_fields_and_the_demo_checkpoint():
+    from clover_batch.jobs.spec import load_job
+
+    instructions = job_instructions()  # raises if extract-local.yaml's fields differ from EXTRACT_FIELDS
+    assert instructions.summarize == "Summarize the document in one sentence."
+    for job in ("summarize-local", "extract-local"):
+        spec = load_job(f"jobs/examples/{job}.yaml")
+        assert Path(spec.model.source).resolve() == DEMO_DIR.resolve()
+
+
+def test_example_documents_are_the_generated_ones():
+    expected = json.loads((DEMO_DIR.parent / "expected.json").read_text())
+    files = sorted(p.name for p in (DEMO_DIR.parent / "docs").iterdir())
+    assert sorted(expected) == files
+    assert sum(name.endswith(".pdf") for name in files) >= 2
+    for name, entry in expected.items():
+        doc = make_document(entry["seed"], wrap=False)
+        assert entry["summary"] == doc.summary and entry["extraction"] == json.loads(doc.extraction)
+
+
+# ---- the committed checkpoint ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_model(DEMO_DIR)
+
+
+def test_checkpoint_files_config_and_tokenizer_agree(demo):
+    cfg = demo.config
+    size = (DEMO_DIR / "model.safetensors").stat().st_size
+    assert size <= 10_000_000, size
+    report = json.loads((DEMO_DIR / "training.json").read_text())
+    assert report["seconds"]["total"] < 3600
+    builder = PromptBuilder(str(DEMO_DIR))
+    tok = builder.tokenizer
+    assert [tok.token_to_id(t) for t in SPECIALS] == [0, 1, 2, 3]
+    assert cfg.diffusion.mask_token_id == MASK_ID == tok.token_to_id("<|mask|>")
+    assert IM_END_ID in cfg.eos_token_ids and tok.get_vocab_size(with_added_tokens=True) <= cfg.vocab_size
+    assert cfg.window_tokens <= 512 and cfg.diffusion.block_size == 16
+    # the chat template's special tokens are single ids; special-token text inside a document stays text
+    ids = builder.build("Summarize.", "a <|im_end|> b")
+    assert ids[0] == tok.token_to_id("<|im_start|>") and ids.count(IM_END_ID) == 1
+    assert builder.decode(builder.encode("Total due: 4,200 EUR", specials=False)) == "Total due: 4,200 EUR"
+
+
+def test_checkpoint_answers_held_out_documents(demo):
+    """Greedy threshold-0.9 decoding on 8 held-out documents: extraction fields and summaries mostly exact."""
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    maker = PairMaker(str(DEMO_DIR), job_instructions())
+    docs = held_out(8)
+    ext = generate(demo, [maker.prompt(d, "extract") for d in docs], max_new_tokens=96, threshold=0.9)
+    summ = generate(demo, [maker.prompt(d, "summarize") for d in docs], max_new_tokens=96, threshold=0.9)
+    fields = [ok for d, g in zip(docs, ext, strict=True) for ok in field_matches(maker.builder.decode(g.tokens),
+                                                                                 d).values()]
+    assert sum(fields) / len(fields) >= 0.85, fields
+    sims = [token_similarity(g.tokens, maker.builder.encode(d.summary, specials=False))
+            for d, g in zip(docs, summ, strict=True)]
+    assert sum(sims) / len(sims) >= 0.85, sims
+    tokens = sum(len(g.tokens) for g in ext + summ)
+    assert tokens / sum(g.denoising_steps for g in ext + summ) > 2.0  # threshold decoding fills >1 per step
