@@ -9,8 +9,9 @@ with the example jobs' own prompts, for thresholds 0.95, 0.9, 0.7, 0.5 and fixed
 - extraction: field exact match (the answer checked as the pipeline checks it, each field compared with the
   document's value; a refused answer matches no field) and whole-answer exact match;
 - summary: exact match and token-level similarity with the target (1 - token edit distance / longer length);
-- tokens per step (denoising steps) and per decode forward (steps + block commits), and decode tokens/s: tokens
-  generated / wall time of the decode steps of each batch (prefill excluded, same batches for every mode).
+- tokens per step (denoising steps) and per decode forward (steps + block commits; the engine commits a finished
+  block in the next step's forward, one forward per row either way), and decode tokens/s: tokens generated / wall
+  time of the engine's decode steps (prefill excluded; the same batches of --batch documents for every mode).
 
 The one-token-per-step baseline is k = 1 on the same model and engine ("AR-style": one token committed per
 forward, left to right by confidence). A block-diffusion model has no separate autoregressive mode: its config
@@ -82,7 +83,9 @@ def run_mode(model, maker: PairMaker, docs: list[Document], task: str, options: 
         part = docs[start:start + batch]
         prompts = [maker.prompt(d, task) for d in part]
         gens = generate(model, prompts, max_new_tokens=max_new_tokens, temperature=0.0, **options)
-        tally.decode_seconds += max(g.decode_seconds for g in gens)  # one batch decodes in lockstep
+        # each sequence's decode_seconds is its share of the decode steps it took part in: their sum is the
+        # batch's decode wall time (prefill steps excluded)
+        tally.decode_seconds += sum(g.decode_seconds for g in gens)
         for doc, prompt, g in zip(part, prompts, gens, strict=True):
             prefill_forwards = -(-((len(prompt) // bs) * bs) // chunk)
             tally.tokens += len(g.tokens)

@@ -397,11 +397,11 @@ def _wrap(paragraph: str, width: int) -> str:
 
 
 def make_document(seed: int, *, kind: str | None = None, long: bool | None = None,
-                  wrap: bool | None = None) -> Document:
+                  wrap: bool | None = None, filler: bool = True) -> Document:
     """The document of `seed`. kind, long and wrap are drawn from the seed unless given.
 
-    long: the facts, then an operations log of 16-28 lines and some notes, then a closing line. Short documents put
-    0-4 filler sentences around the facts.
+    long: the facts, then an operations log of 16-28 lines and some notes. Short documents put 0-5 filler
+    sentences around the facts; filler=False leaves them out (the short first phase of training).
     """
     rng = random.Random(seed)
     kind = kind if kind is not None else rng.choice(KINDS)
@@ -421,6 +421,8 @@ def make_document(seed: int, *, kind: str | None = None, long: bool | None = Non
     else:
         lead = _filler(rng, rng.randint(0, 2))
         tail = _filler(rng, rng.randint(0, 3))
+        if not filler:
+            lead, tail = [], []
         before = [header, *([" ".join(lead)] if lead else []), *body]
         after = [" ".join(tail)] if tail else []
     if wrap:

@@ -80,6 +80,7 @@ class Recipe:
     noise_copies: int = 2
     extract_share: float = 0.5  # share of training pairs that are extractions (the rest summaries)
     long_share: float = 0.2  # share of long documents (facts, then more than a window of log and notes)
+    short_share: float = 0.4  # first share of the steps: short documents only (no filler, never long)
     tokenizer_docs: int = 4000  # documents the BPE is trained on
     threads: int = 2
 
@@ -182,13 +183,15 @@ class PairMaker:
         return Example(self.prompt(doc, task), answer)
 
 
-def training_pairs(maker: PairMaker, recipe: Recipe) -> Iterator:
-    """An endless seeded stream of training examples over the TRAIN_SEEDS documents."""
+def training_pairs(maker: PairMaker, recipe: Recipe, *, short: int = 0) -> Iterator:
+    """An endless seeded stream of training examples over the TRAIN_SEEDS documents; the first `short` ones are
+    short documents (no filler, never long)."""
     rng = random.Random(recipe.seed)
     i = 0
     while True:
+        first = i < short
         doc = make_document(TRAIN_SEEDS[(recipe.seed * 1_000_003 + i) % len(TRAIN_SEEDS)],
-                            long=rng.random() < recipe.long_share)
+                            long=False if first else rng.random() < recipe.long_share, filler=not first)
         i += 1
         yield maker.example(doc, "extract" if rng.random() < recipe.extract_share else "summarize")
 
@@ -223,7 +226,8 @@ def train_demo(out: Path, recipe: Recipe = Recipe(), shape: DemoShape = DemoShap
     model = build_model(config)
     init_for_training(model, recipe.seed)
     maker = PairMaker(out, instructions)
-    batches = batches_by_prefix(training_pairs(maker, recipe), recipe.batch_size, shape.block_size,
+    short = int(recipe.short_share * recipe.steps) * recipe.batch_size
+    batches = batches_by_prefix(training_pairs(maker, recipe, short=short), recipe.batch_size, shape.block_size,
                                 seed=recipe.seed)
     options = TrainOptions(steps=recipe.steps, lr=recipe.lr, warmup=recipe.warmup, min_lr_ratio=recipe.min_lr_ratio,
                            weight_decay=recipe.weight_decay, grad_clip=recipe.grad_clip, eps=recipe.eps,

@@ -123,9 +123,16 @@ def test_checkpoint_files_config_and_tokenizer_agree(demo):
     assert builder.decode(builder.encode("Total due: 4,200 EUR", specials=False)) == "Total due: 4,200 EUR"
 
 
-def test_checkpoint_answers_held_out_documents(demo):
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_checkpoint_answers_held_out_documents(demo, one_thread):
     """Greedy threshold-0.9 decoding on 8 held-out documents: extraction fields and summaries mostly exact."""
-    torch.set_num_threads(min(2, torch.get_num_threads()))
     maker = PairMaker(str(DEMO_DIR), job_instructions())
     docs = held_out(8)
     ext = generate(demo, [maker.prompt(d, "extract") for d in docs], max_new_tokens=96, threshold=0.9)
