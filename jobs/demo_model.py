@@ -60,7 +60,7 @@ class DemoShape:
     expert_width: int = 128
     shared_expert_width: int = 256
     block_size: int = 16
-    window_tokens: int = 256
+    window_tokens: int = 384
     prefill_chunk_tokens: int = 512
 
 
@@ -69,7 +69,7 @@ class Recipe:
     """Everything the training run depends on; written to training.json beside the weights."""
 
     seed: int = 0
-    steps: int = 1500
+    steps: int = 2600
     batch_size: int = 16  # documents per step
     lr: float = 3e-3
     warmup: int = 60
@@ -179,7 +179,7 @@ class PairMaker:
     def example(self, doc: Document, task: str):
         from clover_batch.model.train import Example
 
-        answer = self.builder.encode(self.target(doc, task), specials=False) + [IM_END_ID]
+        answer = [*self.builder.encode(self.target(doc, task), specials=False), IM_END_ID]
         return Example(self.prompt(doc, task), answer)
 
 

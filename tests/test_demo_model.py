@@ -6,6 +6,7 @@ pipeline's PromptBuilder, and it answers held-out documents.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def test_documents_are_reproducible_and_seed_ranges_disjoint():
     assert make_document(123).text == make_document(123).text
     assert make_document(123).text != make_document(124).text
     ranges = sorted([TRAIN_SEEDS, HELD_OUT_SEEDS, EXAMPLE_SEEDS], key=lambda r: r.start)
-    assert all(a.stop <= b.start for a, b in zip(ranges, ranges[1:], strict=False))
+    assert all(a.stop <= b.start for a, b in itertools.pairwise(ranges))
     assert [d.seed for d in held_out(3)] == list(HELD_OUT_SEEDS[:3])
 
 
@@ -92,7 +93,7 @@ def test_example_documents_are_the_generated_ones():
     files = sorted(p.name for p in (DEMO_DIR.parent / "docs").iterdir())
     assert sorted(expected) == files
     assert sum(name.endswith(".pdf") for name in files) >= 2
-    for name, entry in expected.items():
+    for _name, entry in expected.items():
         doc = make_document(entry["seed"], wrap=False)
         assert entry["summary"] == doc.summary and entry["extraction"] == json.loads(doc.extraction)
 

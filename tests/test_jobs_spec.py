@@ -88,8 +88,9 @@ def test_bad_override_syntax():
 def test_example_jobs_are_valid():
     for name in ("summarize-local", "extract-local"):
         spec = load_job(f"jobs/examples/{name}.yaml")
-        assert spec.model.source == "tiny"
-    assert load_job("jobs/examples/extract-local.yaml").task.fields["has_deadline"].type == "boolean"
+        assert spec.model.source == "jobs/examples/demo"
+    fields = load_job("jobs/examples/extract-local.yaml").task.fields
+    assert fields["parties"].type == "list[string]" and not fields["deadline"].required
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,7 @@ def test_gdn_chunk_size_does_not_change_result(chunk):
 
 @pytest.mark.parametrize("T", [2, 9, 16, 17, 33, 64, 65])
 def test_gdn_dispatch_on_short_inputs_equals_recurrence(T):
-    """`ops.gated_delta_rule` picks a smaller chunk for short inputs (a diffusion block): same result as the recurrence."""
+    """`ops.gated_delta_rule` picks a smaller chunk for short inputs (a diffusion block): same as the recurrence."""
     q, k, v, g, beta, state = gdn_inputs(2, T, 3, 16, 8, seed=T, state_scale=1.0)
     o_ref, S_ref = ops.gdn_recurrent(q, k, v, g, beta, state)
     o, S = ops.gated_delta_rule(q, k, v, g, beta, state)

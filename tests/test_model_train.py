@@ -38,7 +38,7 @@ def _examples(seed: int = 0) -> list[Example]:
     gen = torch.Generator().manual_seed(seed)
     shapes = [(21, 12), (5, 30), (16, 3), (40, 20), (3, 1), (64, 17)]  # (prompt, answer) lengths
     return [Example(torch.randint(0, 256, (p,), generator=gen).tolist(),
-                    torch.randint(0, 256, (a,), generator=gen).tolist() + [EOS]) for p, a in shapes]
+                    [*torch.randint(0, 256, (a,), generator=gen).tolist(), EOS]) for p, a in shapes]
 
 
 def test_layout_aligns_blocks_on_absolute_positions():

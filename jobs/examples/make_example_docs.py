@@ -4,9 +4,10 @@
 
 They are synthetic documents of the kinds the `demo` checkpoint was trained on (jobs/demo_corpus.py), drawn from
 seeds used neither for training nor for the held-out evaluation: for each file below, the first seed of
-EXAMPLE_SEEDS that gives its kind (and length). Two are real PDFs made with pymupdf (one of them two pages), one is
-markdown, and one is longer than the demo model's attention window with all its facts before it. The targets
-(summary and extraction) are written to jobs/examples/expected.json for checking the demo job's answers.
+EXAMPLE_SEEDS not taken by an earlier file that gives its kind (and length). Two are real PDFs made with pymupdf
+(one of them two pages), one is markdown, and one is longer than the demo model's attention window with all its
+facts before it. The targets (summary and extraction) are written to jobs/examples/expected.json for checking the
+demo job's answers.
 """
 
 import json
@@ -28,10 +29,13 @@ FILES = {
 }
 
 
-def first_document(kind: str, long: bool, markdown: bool):
+def first_document(kind: str, long: bool, markdown: bool, used: set[int]):
     for seed in EXAMPLE_SEEDS:
+        if seed in used:  # every file its own seed: different names, dates and amounts
+            continue
         doc = make_document(seed, kind=kind, long=long, wrap=False)
         if doc.extra["markdown"] == markdown:
+            used.add(seed)
             return doc
     raise RuntimeError(f"no example seed gives a {kind}")
 
@@ -51,9 +55,9 @@ def main() -> None:
     DOCS.mkdir(exist_ok=True)
     for old in DOCS.iterdir():
         old.unlink()
-    expected = {}
+    expected, used = {}, set()
     for name, (kind, long, markdown, pages) in FILES.items():
-        doc = first_document(kind, long, markdown)
+        doc = first_document(kind, long, markdown, used)
         if pages:
             write_pdf(DOCS / name, doc.text, pages)
         else:
