@@ -440,3 +440,25 @@ def make_document(seed: int, *, kind: str | None = None, long: bool | None = Non
 def held_out(n: int, *, start: int = 0) -> list[Document]:
     """The first n held-out evaluation documents (never drawn for training)."""
     return [make_document(HELD_OUT_SEEDS[start + i]) for i in range(n)]
+
+
+def copy_drill(seed: int) -> str:
+    """A list of 6-14 random names, companies, amounts and dates, for the training drill "repeat the list".
+
+    Nothing in it can be guessed from the rest, so the only way to repeat it is to copy: the drill gives the
+    model the copying that extraction and summaries need (a name, an amount, a date out of the document)
+    without the document's phrasing to learn first.
+    """
+    rng = random.Random(seed)
+    items = []
+    for _ in range(rng.randint(6, 14)):
+        r = rng.random()
+        if r < 0.3:
+            items.append(_person(rng))
+        elif r < 0.6:
+            items.append(_company(rng))
+        elif r < 0.8:
+            items.append(fmt_eur(_amount(rng, 10, 200_000)))
+        else:
+            items.append(_doc_date(rng, _date(rng)))
+    return ", ".join(items)
