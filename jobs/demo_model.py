@@ -6,7 +6,9 @@ extract-local.yaml).
 
     BPE tokenizer trained on corpus text (digits split one per token; the chat special tokens and a mask token)
     -> training pairs: the example jobs' own prompts (PromptBuilder: chat template + instruction + document)
-       and the document's target summary / extraction JSON, ending with <|im_end|>
+       and the document's target summary / extraction JSON, ending with <|im_end|>; plus a copy drill
+       (`copy_share` of the pairs: "Repeat the list." and a list of random names, amounts and dates), which a
+       small model needs to learn copying a value out of its prompt within the time budget
     -> block-diffusion training (clover_batch.model.train) of the DEMO_SHAPE model
     -> config.json, model.safetensors, tokenizer.json and training.json (recipe, loss curve, time, load)
 
