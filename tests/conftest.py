@@ -69,6 +69,17 @@ def write_bad_docs(folder: Path) -> dict[str, str]:
     }
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: small ops run several times faster than on two on a shared machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     import ray

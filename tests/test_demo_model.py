@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from clover_batch.jobs.demo_corpus import (
     EXAMPLE_SEEDS,
     EXTRACT_FIELDS,
@@ -136,14 +135,6 @@ def test_checkpoint_files_config_and_tokenizer_agree(demo):
     ids = builder.build("Summarize.", "a <|im_end|> b")
     assert ids[0] == tok.token_to_id("<|im_start|>") and ids.count(IM_END_ID) == 1
     assert builder.decode(builder.encode("Total due: 4,200 EUR", specials=False)) == "Total due: 4,200 EUR"
-
-
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_checkpoint_answers_held_out_documents(demo, one_thread):

@@ -126,15 +126,6 @@ def test_batches_by_prefix_yields_every_example_once_grouping_equal_prefixes():
     assert sum(ours) / len(ours) < 0.5 * sum(naive) / len(naive), (ours, naive)
 
 
-@pytest.fixture
-def one_thread():
-    """Small ops: one thread is several times faster than two on a shared machine (no thread handoffs)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_short_training_run_lowers_the_loss_on_a_copy_task(one_thread):
     """A seconds-long CPU run on a copy task (the answer repeats the prompt's one varying token, 1 of 32, three
     times) takes the held-out loss (fixed batch, fixed noise) from ~ln(vocab) to well below the best loss a model
