@@ -51,16 +51,16 @@ def check_prompts(model: CloverModel, prompts: list[list[int]]) -> None:
 
 
 def generate(model: CloverModel, prompts: list[list[int]], options: DecodeOptions | None = None, *,
-             max_slots: int | None = None, **overrides) -> list[Generation]:
+             max_slots: int | None = None, merge_commits: bool | None = None, **overrides) -> list[Generation]:
     """Generate for a batch of token-id prompts (any lengths); diffusion or autoregressive by the model's config.
 
     Options: a DecodeOptions, or its fields as keywords (`max_new_tokens=64, threshold=0.9`). max_slots: most
-    prompts decoded at once (default: all of them, as memory allows).
+    prompts decoded at once (default: all of them, as memory allows). merge_commits: the Engine's (None: on CUDA).
     """
     options = _options(options, overrides)
     options.check(model.config)
     check_prompts(model, prompts)
-    engine = Engine(model, options, max_slots=max_slots or len(prompts))
+    engine = Engine(model, options, max_slots=max_slots or len(prompts), merge_commits=merge_commits)
     base = options.seed if options.seed is not None else secrets.randbits(62)  # not torch.seed(): reseeds globally
     for i, p in enumerate(prompts):
         engine.add(Request(str(i), list(p), seed=prompt_seed(base, i)))

@@ -143,14 +143,14 @@ def test_checkpoint_answers_held_out_documents(demo, one_thread):
     What the demo model does (bench/diffusion_quality.py has the figures): it reads the kind of document off the
     text, answers in the pipeline's JSON form and writes summaries in the target's form, but it invents most
     values (names, dates) instead of copying them. The bounds sit below what the committed checkpoint measures
-    (document type 7/8, summary similarity 0.59, 1.77 tokens per step) and far above random weights (~0).
+    (document type 8/8, summary similarity 0.565, 1.76 tokens per step) and far above random weights (~0).
     """
     maker = PairMaker(str(DEMO_DIR), job_instructions())
     docs = held_out(8)
     ext = generate(demo, [maker.prompt(d, "extract") for d in docs], max_new_tokens=96, threshold=0.9)
     summ = generate(demo, [maker.prompt(d, "summarize") for d in docs], max_new_tokens=96, threshold=0.9)
     matches = [field_matches(maker.builder.decode(g.tokens), d) for d, g in zip(docs, ext, strict=True)]
-    assert sum(m["document_type"] for m in matches) >= 6, matches
+    assert sum(m["document_type"] for m in matches) >= 7, matches
     sims = [token_similarity(g.tokens, maker.builder.encode(d.summary, specials=False))
             for d, g in zip(docs, summ, strict=True)]
     assert sum(sims) / len(sims) >= 0.5, sims

@@ -156,3 +156,17 @@ def test_short_training_run_lowers_the_loss_on_a_copy_task(one_thread):
     assert float(start.loss) > 6.0  # ~ln(512) at initialisation
     assert curve.losses[-1] < curve.losses[0]
     assert after < 0.7 * prompt_blind, (float(start.loss), prompt_blind, after, curve.losses)
+
+
+def test_init_for_training_scales_only_the_input_embedding():
+    base, wide = load_model("tiny", seed=0), load_model("tiny", seed=0)
+    init_for_training(base, seed=4)
+    init_for_training(wide, seed=4, embedding_std=0.5)
+    for (name, a), (_, b) in zip(base.named_parameters(), wide.named_parameters(), strict=True):
+        if name == "embed_tokens.weight":
+            assert float(a.std()) == pytest.approx(0.02, rel=0.05)
+            assert torch.allclose(b, a * 25, rtol=1e-5), name  # the same draw, scaled
+        else:
+            assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="embedding_std"):
+        init_for_training(base, seed=4, embedding_std=0.0)
