@@ -377,12 +377,13 @@ def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, 
     - every key visible (known on the host): one SDPA call without a mask;
     - CUDA: flex_attention with the block mask (compiled), so skipped key blocks cost nothing and no dense mask
       is built;
-    - otherwise (CPU, the reference): SDPA with the dense boolean mask, in query tiles (`attention_dense`).
+    - otherwise (CPU, the reference; and training, whose backward the block mask does not carry: it is built
+      without query blocks): SDPA with the dense boolean mask, in query tiles (`attention_dense`).
     """
     if mask.all_visible:
         return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD,
                                               enable_gqa=q_BHTD.shape[1] != k_BHSD.shape[1])
-    if q_BHTD.is_cuda:
+    if q_BHTD.is_cuda and not (torch.is_grad_enabled() and q_BHTD.requires_grad):
         return _flex()(q_BHTD, k_BHSD, v_BHSD, block_mask=mask.block_mask(),
                        enable_gqa=q_BHTD.shape[1] != k_BHSD.shape[1])
     return attention_dense(q_BHTD, k_BHSD, v_BHSD, mask.dense())
