@@ -17,6 +17,7 @@ Held-out accuracy: greedy, one token per step (k = 1), 64 new lists, per token a
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import time
@@ -54,7 +55,7 @@ def run(std: float, args: argparse.Namespace) -> dict:
           on_log=lambda step, loss, _s: losses.__setitem__(step, loss))
     seconds = time.perf_counter() - t0
     model.eval()
-    held = [ex for ex, _ in zip(lists(args.seed + 10_000, args.max_len), range(64), strict=False)]
+    held = list(itertools.islice(lists(args.seed + 10_000, args.max_len), 64))
     gens = generate(model, [ex.prompt for ex in held], max_new_tokens=args.max_len + 8, temperature=0.0,
                     tokens_per_step=1)
     right = sum(a == b for ex, g in zip(held, gens, strict=True) for a, b in zip(ex.answer, g.tokens, strict=False))

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from .clover import CloverModel
 from .state import CloverState
-from .weights import init_random_weights
+from .weights import INIT_STD, init_random_weights
 
 log = logging.getLogger(__name__)
 
@@ -197,11 +197,11 @@ def diffusion_loss(model: CloverModel, examples: list[Example], generator: torch
 
 
 def init_for_training(model: CloverModel, seed: int, *, device: str | torch.device = "cpu",
-                      embedding_std: float = 0.02) -> None:
+                      embedding_std: float = INIT_STD) -> None:
     """Seeded fp32 random weights on `device` (`init_random_weights`; the model may be on the meta device), then
     GDN step sizes and decays as Mamba-2 / fla set them; every parameter requires grad.
 
-    embedding_std: the input embedding's init scale (the other matrices keep 0.02). A small model with a
+    embedding_std: the input embedding's init scale (the other matrices keep INIT_STD, 0.02). A small model with a
     2,048-token vocabulary learned to copy a variable-length list in 300 steps from 0.5, and not at all (loss
     flat at 3.6) from 0.02, with everything else equal.
     """
@@ -210,7 +210,7 @@ def init_for_training(model: CloverModel, seed: int, *, device: str | torch.devi
     init_random_weights(model, seed=seed, dtype=torch.float32, device=torch.device(device))
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        model.embed_tokens.weight.mul_(embedding_std / 0.02)  # init_random_weights draws normal(0, 0.02)
+        model.embed_tokens.weight.mul_(embedding_std / INIT_STD)  # init_random_weights draws normal(0, INIT_STD)
         for layer in model.layers:
             if layer.kind != "linear_attention":
                 continue

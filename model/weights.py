@@ -220,6 +220,9 @@ def load_checkpoint_weights(model: CloverModel, path: Path, *, dtype: torch.dtyp
     model.load_state_dict(state, strict=True, assign=True)
 
 
+INIT_STD = 0.02  # the matrices' init scale (the reference's initializer_range)
+
+
 def init_random_weights(model: CloverModel, *, seed: int, dtype: torch.dtype, device: torch.device) -> None:
     """Seeded initialisation like the reference's: normal(0, 0.02) matrices, zero-centred norms at 0, A in [1, 16].
 
@@ -237,7 +240,7 @@ def init_random_weights(model: CloverModel, *, seed: int, dtype: torch.dtype, de
             return torch.zeros(shape)
         if leaf == "A_log":
             return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
-        return torch.empty(shape).normal_(0.0, 0.02, generator=gen)
+        return torch.empty(shape).normal_(0.0, INIT_STD, generator=gen)
 
     state: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
@@ -267,7 +270,7 @@ def init_random_weights_on_device(model: CloverModel, *, seed: int, dtype: torch
         elif leaf == "A_log":
             t = t.uniform_(1.0, 16.0, generator=gen).log_().to(dtype)
         else:
-            t.normal_(0.0, 0.02, generator=gen)
+            t.normal_(0.0, INIT_STD, generator=gen)
         state[name] = t
     model.load_state_dict(state, strict=True, assign=True)
 
