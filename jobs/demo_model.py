@@ -69,6 +69,7 @@ class DemoShape:
     block_size: int = 16
     window_tokens: int = 384
     prefill_chunk_tokens: int = 512
+    tie_embeddings: bool = False  # lm_head shares the input embedding matrix
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def demo_config(shape: DemoShape):
         linear_key_head_dim=shape.gdn_head_dim, linear_value_head_dim=shape.gdn_head_dim, linear_conv_kernel_dim=4,
         num_experts=shape.experts, num_experts_per_tok=shape.experts_per_token,
         moe_intermediate_size=shape.expert_width, shared_expert_intermediate_size=shape.shared_expert_width,
-        norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=shape.tie_embeddings,
         eos_token_ids=(ENDOFTEXT_ID, IM_END_ID), pad_token_id=ENDOFTEXT_ID,
         diffusion=DiffusionConfig(block_size=shape.block_size, mask_token_id=MASK_ID),
         window_tokens=shape.window_tokens, prefill_chunk_tokens=shape.prefill_chunk_tokens, name="demo",

@@ -27,7 +27,9 @@ from clover_batch.jobs.demo_model import (
     IM_END_ID,
     MASK_ID,
     SPECIALS,
+    DemoShape,
     PairMaker,
+    demo_config,
     field_matches,
     job_instructions,
     token_similarity,
@@ -135,6 +137,28 @@ def test_checkpoint_files_config_and_tokenizer_agree(demo):
     ids = builder.build("Summarize.", "a <|im_end|> b")
     assert ids[0] == tok.token_to_id("<|im_start|>") and ids.count(IM_END_ID) == 1
     assert builder.decode(builder.encode("Total due: 4,200 EUR", specials=False)) == "Total due: 4,200 EUR"
+
+
+def test_demo_shape_is_the_committed_checkpoints_and_ties_through_a_checkpoint(demo, tmp_path):
+    import dataclasses
+
+    import torch
+    from clover_batch.model import build_model, save_checkpoint
+    from clover_batch.model.weights import init_random_weights
+
+    assert dataclasses.replace(demo_config(DemoShape()), name=demo.config.name) == demo.config
+    assert demo.lm_head is not None and not demo.config.tie_word_embeddings
+    # the tied variant bench/demo_recipes.py trains: one matrix, saved and loaded back as one
+    tied = build_model(demo_config(DemoShape(tie_embeddings=True, window_tokens=32)))
+    init_random_weights(tied, seed=0, dtype=torch.float32, device=torch.device("cpu"))
+    assert tied.lm_head is None
+    save_checkpoint(tied, tmp_path)
+    back = load_model(tmp_path, dtype=torch.float32)
+    assert back.config.tie_word_embeddings and back.lm_head is None
+    assert torch.equal(back.embed_tokens.weight, tied.embed_tokens.weight)
+    ids = [1, *range(10, 50), 2]
+    ours = generate(tied, [ids], max_new_tokens=8, temperature=0.0, tokens_per_step=2)[0].tokens
+    assert generate(back, [ids], max_new_tokens=8, temperature=0.0, tokens_per_step=2)[0].tokens == ours
 
 
 def test_checkpoint_answers_held_out_documents(demo, one_thread):
