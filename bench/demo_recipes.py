@@ -47,8 +47,8 @@ DRILL_SEEDS = HELD_OUT_SEEDS[50_000:]  # apart from the documents held_out() and
 
 def parse_variant(text: str) -> tuple[dict, dict]:
     """'base' or 'a=1,b=x' -> (Recipe overrides, DemoShape overrides); an unknown name is a ValueError."""
-    recipe_fields = {f.name: f for f in dataclasses.fields(Recipe)}
-    shape_fields = {f.name: f for f in dataclasses.fields(DemoShape)}
+    recipe_fields = {f.name for f in dataclasses.fields(Recipe)}
+    shape_fields = {f.name for f in dataclasses.fields(DemoShape)}
     recipe: dict = {}
     shape: dict = {}
     if text == "base":
@@ -60,7 +60,12 @@ def parse_variant(text: str) -> tuple[dict, dict]:
             raise ValueError(f"variant {text!r}: {part!r} is not name=value over a Recipe or DemoShape field "
                              f"({', '.join(sorted(recipe_fields | shape_fields))})")
         default = getattr(Recipe() if name in recipe_fields else DemoShape(), name)
-        parsed = bool(int(value)) if isinstance(default, bool) else type(default)(value)
+        try:
+            parsed = bool(int(value)) if isinstance(default, bool) else type(default)(value)
+        except ValueError:
+            hint = "0 or 1" if isinstance(default, bool) else f"e.g. {default!r}"
+            raise ValueError(f"variant {text!r}: {name} takes a {type(default).__name__} ({hint}), "
+                             f"got {value!r}") from None
         (recipe if name in recipe_fields else shape)[name] = parsed
     return recipe, shape
 
