@@ -17,7 +17,12 @@ Notable choices:
   the engine is empty and then runs with no other request until it finishes; requests arriving meanwhile wait. So
   if it kills the process again, the death is its own, and no other document is charged with it.
 - `on_admit` is called in this thread with the requests about to enter the engine (name -> alone), before they
-  do: the infer stage records each document's attempt there (connectors/attempts.py).
+  do, and `on_leave` with the names of those that came out (a result or an error), before their results are
+  delivered and before anything else enters: the infer stage records each document's attempts there
+  (connectors/attempts.py). Both on this thread, in that order, so that when the process dies the records name
+  exactly the documents that were inside. (Removing a record from the awaiting coroutine instead raced the next
+  admission: a suspect that had finished alone could still have its record when the next suspect killed the
+  process, and was then charged with that death.)
 - Given a builder instead of an Engine, the thread builds it (loads the model) itself, and the constructor waits
   for it: all of a replica's torch work then happens on one thread. On CPU this is worth 3-4x: torch's OpenMP
   pool belongs to the thread that starts a parallel region, and once the actor's main thread had one (loading the
@@ -50,19 +55,24 @@ class _Pending:
     loop: asyncio.AbstractEventLoop
     name: str = "request"
     alone: bool = False  # run with no other request in the engine
+    entered: bool = False  # on_admit was called for it: on_leave is called when it comes out
 
 
 class EngineLoop:
     """Runs `engine` in a daemon thread; `await submit(prompt_ids)` returns the prompt's Generation."""
 
     def __init__(self, engine: Engine | Callable[[], Engine], *, recover: Callable[[], None] | None = None,
-                 max_recoveries: int = 2, on_admit: Callable[[dict[str, bool]], None] | None = None) -> None:
+                 max_recoveries: int = 2, on_admit: Callable[[dict[str, bool]], None] | None = None,
+                 on_leave: Callable[[list[str]], None] | None = None) -> None:
         """engine: the Engine, or a function building it, called on the engine thread (its error is raised here);
         recover: restarts a broken expert-parallel replica (raises ExpertParallelError when it cannot);
         max_recoveries: how many times in a row, with no successful step between, before giving up;
-        on_admit: called with {name: alone} of requests about to enter the engine (an error fails them)."""
+        on_admit: called with {name: alone} of requests about to enter the engine (an error fails them);
+        on_leave: called with the names of admitted requests that came out, before their futures resolve and
+        before any other request is admitted (an error is logged: the results still go out)."""
         self.recover, self.max_recoveries = recover, max_recoveries
-        self.on_admit = on_admit
+        self.on_admit, self.on_leave = on_admit, on_leave
+        self._out: list[tuple[_Pending, Any, BaseException | None]] = []  # came out, not yet delivered
         self._failures_in_a_row = 0
         self._inbox: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
         self._waiting: list[_Pending] = []  # taken from the inbox, not yet in the engine
@@ -105,20 +115,23 @@ class EngineLoop:
         while True:
             self._take(block=not self.engine.has_work and not self._waiting and not self._alone)
             self._admit()
-            if not self.engine.has_work:
-                continue
-            try:
-                finished = self.engine.step()
-            except ExpertParallelError as e:
-                self._replica_failed(e)
-                continue
-            except Exception as e:  # one document's failure must not take the others with it
-                log.warning("engine step failed (%s: %s); running the %d requests in flight one at a time",
-                            type(e).__name__, e, len(self.engine.in_flight()))
-                self._isolate()
-                continue
-            self._failures_in_a_row = 0
-            self._resolve(finished)
+            if self.engine.has_work:
+                self._step()
+            self._deliver()
+
+    def _step(self) -> None:
+        try:
+            finished = self.engine.step()
+        except ExpertParallelError as e:
+            self._replica_failed(e)
+            return
+        except Exception as e:  # one document's failure must not take the others with it
+            log.warning("engine step failed (%s: %s); running the %d requests in flight one at a time",
+                        type(e).__name__, e, len(self.engine.in_flight()))
+            self._isolate()
+            return
+        self._failures_in_a_row = 0
+        self._resolve(finished)
 
     def _take(self, *, block: bool) -> None:
         """Collect submitted requests (waiting for one when there is nothing else to do)."""
@@ -153,6 +166,9 @@ class EngineLoop:
             for item in items:
                 self._finish(item, error=self._fatal)
             return False
+        self._deliver()  # what came out is off the record before anything else goes in
+        for item in items:
+            item.entered = True  # its record may be (partly) written even if on_admit fails
         if self.on_admit is not None:
             try:
                 self.on_admit({item.name: alone for item in items})
@@ -209,6 +225,7 @@ class EngineLoop:
         self.engine.restart()  # clears whatever state the failed step left behind
         for i, item in enumerate(suspects):
             try:
+                self._deliver()  # the previous suspect is off the record before this one goes in
                 if self.on_admit is not None:
                     self.on_admit({item.name: True})  # alone from here: a process death now is its own
                 self.engine.add(item.request)
@@ -237,14 +254,29 @@ class EngineLoop:
             self._finish(item, error=error)
         self._pending.clear()
 
-    @staticmethod
-    def _finish(item: _Pending, *, result: Any = None, error: BaseException | None = None) -> None:
-        def settle() -> None:
-            if item.future.done():
-                return
-            if error is not None:
-                item.future.set_exception(error)
-            else:
-                item.future.set_result(result)
+    def _finish(self, item: _Pending, *, result: Any = None, error: BaseException | None = None) -> None:
+        """The request came out (or never went in): delivered by the next `_deliver`, in this same iteration."""
+        self._out.append((item, result, error))
 
-        item.loop.call_soon_threadsafe(settle)
+    def _deliver(self) -> None:
+        """Report what came out of the engine to `on_leave`, then resolve its futures."""
+        if not self._out:
+            return
+        out, self._out = self._out, []
+        left = [item.name for item, _, _ in out if item.entered]
+        if left and self.on_leave is not None:
+            try:
+                self.on_leave(left)
+            except Exception as e:  # a record left behind only makes the document run alone if it comes back
+                log.warning("on_leave failed for %d requests: %s: %s", len(left), type(e).__name__, e)
+        for item, result, error in out:
+            item.loop.call_soon_threadsafe(_settle, item.future, result, error)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -195,6 +195,7 @@ class InferStage:
         self.max_attempts = max_attempts
         self._uris: dict[str, str] = {}  # doc_id -> source URI of documents submitted, for the test-only fault
         on_admit = self._admitted if self.attempts is not None else None
+        on_leave = self._left if self.attempts is not None else None
 
         def build() -> Engine:
             """On the engine thread: the replica's torch work all happens there (see pipeline/serving.py)."""
@@ -213,7 +214,8 @@ class InferStage:
 
         # a dead worker rank of an expert-parallel replica: restart the workers, rerun what was in flight
         recover = (lambda: self.replica.restart()) if model.expert_parallel > 1 else None  # type: ignore[union-attr]
-        self.loop = EngineLoop(build, recover=recover, max_recoveries=EP_MAX_RESTARTS, on_admit=on_admit)
+        self.loop = EngineLoop(build, recover=recover, max_recoveries=EP_MAX_RESTARTS, on_admit=on_admit,
+                               on_leave=on_leave)
         self.engine = self.loop.engine
         self.kernels = (f"{kernels.describe()}; CUDA graphs {'on' if self.engine.static else 'off'}; "
                         f"{self.model.dtype} on {device}")
@@ -221,22 +223,27 @@ class InferStage:
                  self.engine.num_slots, self.engine.slot_bytes.total / 2**20)
 
     def _admitted(self, entering: dict[str, bool]) -> None:
-        """In the engine thread, as documents enter the engine: record their attempts (before they can crash it)."""
+        """In the engine thread, as documents enter the engine: record their attempts (before they can crash it).
+        Their records go (`AttemptStore.finish`, also on the engine thread) as they come out, before anything else
+        enters, so a death is charged to exactly the documents inside."""
         self.attempts.enter(entering)
         for doc_id in entering:
             document_fault("crash_infer", self._uris.get(doc_id, ""))
+
+    def _left(self, doc_ids: list[str]) -> None:
+        """In the engine thread, as documents come out of the engine (a result or an error): their records go."""
+        try:
+            self.attempts.finish(doc_ids)
+        except Exception as e:  # a record left behind only makes its document run alone if it comes back
+            log.warning("cannot remove the attempt records of %s: %s: %s",
+                        ", ".join(self._uris.get(d, d) for d in doc_ids), type(e).__name__, e)
 
     async def _run_one(self, row: dict[str, Any], alone: bool):
         self._uris[row["doc_id"]] = row["source_uri"]
         try:
             return await self.loop.submit(row["prompt_ids"], name=row["doc_id"], alone=alone)
-        finally:  # back from the engine, result or error: this process survived it
+        finally:
             self._uris.pop(row["doc_id"], None)
-            if self.attempts is not None:
-                try:
-                    await asyncio.to_thread(self.attempts.finish, [row["doc_id"]])
-                except Exception as e:  # a record left behind only makes it run alone if it comes back
-                    log.warning("cannot remove the attempt record of %s: %s", row["source_uri"], e)
 
     async def __call__(self, batch: pa.Table) -> AsyncIterator[pa.Table]:
         from clover_batch.model import EngineCapacityError

@@ -77,6 +77,51 @@ def test_engine_loop_runs_a_suspect_alone():
         assert results[n].tokens == generate(model, [prompts[n]], options)[0].tokens
 
 
+def test_attempt_records_name_exactly_the_documents_in_the_engine(tmp_path):
+    """Records go on the engine thread as documents come out, before their results are delivered and before the
+    next document enters: at every admission the records on disk are exactly the documents inside. (A record
+    removed later, from the awaiting coroutine, let a suspect that had finished alone be charged with the death of
+    the next suspect: the flake of test_a_document_that_kills_the_actor..., a memo ending `crashed`.)"""
+    from clover_batch.model import DecodeOptions, Engine, load_model
+    from clover_batch.pipeline.serving import EngineLoop
+
+    store = AttemptStore(Location(str(tmp_path / "out")), "run-1")
+    names = [*"abcd", "s1", "s2", "s3"]
+    engine = Engine(load_model("tiny"), DecodeOptions(max_new_tokens=6, tokens_per_step=2), max_slots=3)
+    returned: set[str] = set()
+    seen: list[tuple[set[str], set[str], dict[str, bool]]] = []
+    leaves: list[list[str]] = []
+
+    def on_admit(entering: dict[str, bool]) -> None:
+        inside = {i.split("#")[0] for i in engine.in_flight()}
+        seen.append((set(store.unfinished(names)), inside, dict(entering)))
+        store.enter(entering)
+
+    def on_leave(left: list[str]) -> None:
+        assert not returned & set(left)  # nobody has its result before its record is gone
+        leaves.append(list(left))
+        store.finish(left)
+
+    loop = EngineLoop(engine, on_admit=on_admit, on_leave=on_leave)
+
+    async def one(name: str, prompt: list[int], alone: bool):
+        gen = await loop.submit(prompt, name=name, alone=alone)
+        returned.add(name)
+        return gen
+
+    async def main():
+        jobs = [one(n, [5 + i] * (4 + 5 * i), alone=n.startswith("s")) for i, n in enumerate(names)]
+        return await asyncio.gather(*jobs)
+
+    results = asyncio.run(main())
+    assert all(r.tokens for r in results)
+    assert sum(1 for _, _, entering in seen if list(entering.values()) == [True]) == 3  # each suspect alone
+    for recorded, inside, _ in seen:
+        assert recorded == inside  # whatever finished is off the record; whatever is inside is on it
+    assert sorted(n for left in leaves for n in left) == sorted(names)
+    assert store.unfinished(names) == {}
+
+
 @requires_engine
 def test_a_document_that_kills_the_actor_gets_a_crashed_row_and_the_run_completes(ray_session, tmp_path):
     docs = tmp_path / "docs"
