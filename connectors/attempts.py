@@ -76,11 +76,13 @@ class AttemptStore:
                 out[paths[self.fs._strip_protocol(path)]] = [Attempt(self.run_id, "?", 0, 0.0, False)]
         return out
 
-    def enter(self, doc_ids: dict[str, bool]) -> None:
-        """Record that these documents (doc_id -> alone) are entering a replica's engine now."""
+    def enter(self, doc_ids: dict[str, bool], past: dict[str, list[Attempt]] | None = None) -> None:
+        """Record that these documents (doc_id -> alone) are entering a replica's engine now. `past`: their
+        attempts on record, when the caller has just read them with `unfinished` (saves a read per document)."""
         if not doc_ids:
             return
-        past = self.unfinished(doc_ids)
+        if past is None:
+            past = self.unfinished(doc_ids)
         now, host, pid = time.time(), socket.gethostname(), os.getpid()
         bodies = {self._path(d): json.dumps([asdict(a) for a in [*past.get(d, []), Attempt(self.run_id, host, pid,
                                                                                             now, alone)]]).encode()

@@ -16,13 +16,19 @@ Notable choices:
 - A request submitted with `alone=True` (a document that was inside a process that died: a suspect) waits until
   the engine is empty and then runs with no other request until it finishes; requests arriving meanwhile wait. So
   if it kills the process again, the death is its own, and no other document is charged with it.
-- `on_admit` is called in this thread with the requests about to enter the engine (name -> alone), before they
-  do, and `on_leave` with the names of those that came out (a result or an error), before their results are
-  delivered and before anything else enters: the infer stage records each document's attempts there
-  (connectors/attempts.py). Both on this thread, in that order, so that when the process dies the records name
-  exactly the documents that were inside. (Removing a record from the awaiting coroutine instead raced the next
-  admission: a suspect that had finished alone could still have its record when the next suspect killed the
-  process, and was then charged with that death.)
+- `on_admit` is called with the requests about to enter the engine (name -> alone), and they enter once it
+  returned; `on_leave` with the names of those that came out (a result or an error), and their results are
+  delivered once it returned. The infer stage writes and removes each document's attempt record there
+  (connectors/attempts.py), which on an object store is a round trip or two: so both run on one records thread,
+  in the order the engine thread hands them over, while the engine keeps stepping the documents already inside.
+  That order is the contract: what came out is handed over before anything else goes in, so when a suspect
+  enters alone, every earlier record is gone and a death is charged to it only. What queued up while the thread
+  was busy is done together, removals first (one on_leave, then one on_admit), so the thread keeps up with an
+  engine that lets documents in and out faster than one round trip each. (Removing records from the
+  awaiting coroutines instead raced the next admission: a suspect that had finished alone could still have its
+  record when the next suspect killed the process, and was charged with that death.) A record is written before
+  its document enters and removed after it came out, so a death between charges a document that was not inside
+  with a death among others: that only makes it run alone next time, and never ends it `crashed`.
 - Given a builder instead of an Engine, the thread builds it (loads the model) itself, and the constructor waits
   for it: all of a replica's torch work then happens on one thread. On CPU this is worth 3-4x: torch's OpenMP
   pool belongs to the thread that starts a parallel region, and once the actor's main thread had one (loading the
@@ -39,6 +45,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +65,85 @@ class _Pending:
     entered: bool = False  # on_admit was called for it: on_leave is called when it comes out
 
 
+@dataclass
+class _Admitted:
+    """Back from the records thread: on_admit returned for these requests (or failed with `error`)."""
+
+    items: list[_Pending]
+    error: BaseException | None = None
+
+
+class _Records:
+    """The records thread: calls on_leave and on_admit in the order the engine thread hands them over, merging
+    whatever queued up meanwhile: removing records earlier than asked is safe (those documents are out), and
+    every admission still waits for the removals handed over before it."""
+
+    def __init__(self, on_admit: Callable[[dict[str, bool]], None] | None,
+                 on_leave: Callable[[list[str]], None] | None, inbox: queue.SimpleQueue) -> None:
+        self.on_admit, self.on_leave, self.inbox = on_admit, on_leave, inbox
+        self._jobs: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="clover-records", daemon=True).start()
+
+    def leave(self, out: list[tuple[_Pending, Any, BaseException | None]]) -> None:
+        """Remove the records of what came out, then resolve its futures."""
+        self._jobs.put(("leave", out))
+
+    def admit(self, items: list[_Pending], alone: bool) -> None:
+        """Write the records of these requests, then hand them back to the engine thread (`_Admitted`)."""
+        self._jobs.put(("admit", items, alone))
+
+    def admit_now(self, entering: dict[str, bool]) -> None:
+        """on_admit after everything handed over before, waiting for it (its error is raised here)."""
+        done: Future = Future()
+        self._jobs.put(("now", entering, done))
+        done.result()
+
+    def _run(self) -> None:
+        while True:
+            jobs = [self._jobs.get()]
+            while True:
+                try:
+                    jobs.append(self._jobs.get(block=False))
+                except queue.Empty:
+                    break
+            while jobs:  # a waiting admit_now is a barrier: what came before it is done before it
+                cut = next((i for i, job in enumerate(jobs) if job[0] == "now"), len(jobs))
+                self._merged(jobs[:cut])
+                if cut < len(jobs):
+                    _, entering, done = jobs[cut]
+                    try:
+                        if self.on_admit is not None:
+                            self.on_admit(entering)
+                    except Exception as e:
+                        done.set_exception(e)
+                    else:
+                        done.set_result(None)
+                jobs = jobs[cut + 1:]
+
+    def _merged(self, jobs: list[tuple]) -> None:
+        out = [entry for job in jobs if job[0] == "leave" for entry in job[1]]
+        left = [item.name for item, _, _ in out if item.entered]
+        if left and self.on_leave is not None:
+            try:
+                self.on_leave(left)
+            except Exception as e:  # a record left behind only makes its document run alone if it comes back
+                log.warning("on_leave failed for %d requests: %s: %s", len(left), type(e).__name__, e)
+        for item, result, error in out:
+            _resolve_soon(item, result, error)
+        admits = [job for job in jobs if job[0] == "admit"]
+        if not admits:
+            return
+        error = None
+        try:
+            if self.on_admit is not None:
+                self.on_admit({item.name: alone for _, items, alone in admits for item in items})
+        except Exception as e:
+            error = e
+        finally:
+            for _, items, _ in admits:
+                self.inbox.put(_Admitted(items, error))  # wakes the engine thread
+
+
 class EngineLoop:
     """Runs `engine` in a daemon thread; `await submit(prompt_ids)` returns the prompt's Generation."""
 
@@ -68,16 +154,18 @@ class EngineLoop:
         recover: restarts a broken expert-parallel replica (raises ExpertParallelError when it cannot);
         max_recoveries: how many times in a row, with no successful step between, before giving up;
         on_admit: called with {name: alone} of requests about to enter the engine (an error fails them);
-        on_leave: called with the names of admitted requests that came out, before their futures resolve and
-        before any other request is admitted (an error is logged: the results still go out)."""
+        on_leave: called with the names of admitted requests that came out (an error is logged: the results
+        still go out). Both run on one records thread, in order; see the module's docstring."""
         self.recover, self.max_recoveries = recover, max_recoveries
         self.on_admit, self.on_leave = on_admit, on_leave
-        self._out: list[tuple[_Pending, Any, BaseException | None]] = []  # came out, not yet delivered
+        self._admitting = 0  # admissions handed to the records thread and not back yet
+        self._out: list[tuple[_Pending, Any, BaseException | None]] = []  # came out, not yet handed over
         self._failures_in_a_row = 0
-        self._inbox: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Pending | _Admitted] = queue.SimpleQueue()
+        self._records = _Records(on_admit, on_leave, self._inbox) if on_admit or on_leave else None
         self._waiting: list[_Pending] = []  # taken from the inbox, not yet in the engine
         self._alone: collections.deque[_Pending] = collections.deque()  # to run one at a time, on an empty engine
-        self._solo: str | None = None  # the request running alone now
+        self._solo: str | None = None  # the request running alone now (or entering alone)
         self._pending: dict[str, _Pending] = {}
         self._ids = itertools.count()
         self._fatal: BaseException | None = None
@@ -113,11 +201,14 @@ class EngineLoop:
     # ---- the engine thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            self._take(block=not self.engine.has_work and not self._waiting and not self._alone)
-            self._admit()
+            self._take(block=False)
+            progressed = self._admit()
             if self.engine.has_work:
                 self._step()
+                progressed = True
             self._deliver()
+            if not progressed:  # nothing changed since the inbox was drained: wait for it
+                self._take(block=True)  # a new request, or an admission back from the records thread
 
     def _step(self) -> None:
         try:
@@ -134,52 +225,62 @@ class EngineLoop:
         self._resolve(finished)
 
     def _take(self, *, block: bool) -> None:
-        """Collect submitted requests (waiting for one when there is nothing else to do)."""
+        """Collect submitted requests, and move those whose admission came back into the engine."""
         while True:
             try:
                 item = self._inbox.get(block=block)
             except queue.Empty:
                 return
             block = False
-            (self._alone if item.alone else self._waiting).append(item)
+            if isinstance(item, _Admitted):
+                self._admitting -= 1
+                for pending in item.items:
+                    if item.error is not None:  # e.g. the attempt records cannot be written: they do not run
+                        self._finish(pending, error=item.error)
+                    else:
+                        self._add(pending)
+                if item.error is not None:
+                    log.warning("cannot admit %d requests: %s: %s", len(item.items), type(item.error).__name__,
+                                item.error)
+            else:
+                (self._alone if item.alone else self._waiting).append(item)
 
-    def _admit(self) -> None:
-        """Move collected requests into the engine. One that must run alone waits for the engine to empty, then
-        runs with no other request until it finishes; the others wait meanwhile."""
+    def _admit(self) -> bool:
+        """Hand collected requests to the engine (through on_admit); whether any were. One that must run alone
+        waits for the engine to empty, then runs with no other request until it finishes; the others wait."""
         if self._solo is not None:
-            if self._solo in self._pending and self.engine.has_work:
-                return
+            if self._admitting or self._solo in self._pending:
+                return False  # entering, or inside
             self._solo = None
         if self._alone:
-            if self.engine.has_work:
-                return  # the requests in flight finish first
+            if self.engine.has_work or self._admitting:
+                return False  # the requests in flight (or entering) finish first
             item = self._alone.popleft()
-            if self._enter([item], alone=True):
-                self._solo = item.request.id
-            return
+            self._solo = item.request.id
+            self._enter([item], alone=True)
+            return True
         if self._waiting:
             items, self._waiting = self._waiting, []
             self._enter(items, alone=False)
+            return True
+        return False
 
-    def _enter(self, items: list[_Pending], *, alone: bool) -> bool:
+    def _enter(self, items: list[_Pending], *, alone: bool) -> None:
+        """Call on_admit on the records thread, after every on_leave handed over before; the requests enter the
+        engine when it is back (`_take`). Without on_admit they enter now."""
         if self._fatal is not None:
             for item in items:
                 self._finish(item, error=self._fatal)
-            return False
-        self._deliver()  # what came out is off the record before anything else goes in
+            return
+        self._deliver()  # what came out goes off the record before anything else goes on it
         for item in items:
             item.entered = True  # its record may be (partly) written even if on_admit fails
-        if self.on_admit is not None:
-            try:
-                self.on_admit({item.name: alone for item in items})
-            except Exception as e:  # e.g. the attempt records cannot be written: these documents do not run
-                log.warning("cannot admit %d requests: %s: %s", len(items), type(e).__name__, e)
-                for item in items:
-                    self._finish(item, error=e)
-                return False
-        for item in items:
-            self._add(item)
-        return True
+        if self.on_admit is None or self._records is None:
+            for item in items:
+                self._add(item)
+            return
+        self._admitting += 1
+        self._records.admit(items, alone)
 
     def _add(self, item: _Pending) -> None:
         if self._fatal is not None:
@@ -225,9 +326,9 @@ class EngineLoop:
         self.engine.restart()  # clears whatever state the failed step left behind
         for i, item in enumerate(suspects):
             try:
-                self._deliver()  # the previous suspect is off the record before this one goes in
-                if self.on_admit is not None:
-                    self.on_admit({item.name: True})  # alone from here: a process death now is its own
+                self._deliver()  # the previous suspect goes off the record before this one goes on it
+                if self.on_admit is not None and self._records is not None:  # alone from here: a death is its own
+                    self._records.admit_now({item.name: True})
                 self.engine.add(item.request)
                 result: dict[str, Generation] = {}
                 while self.engine.has_work:
@@ -259,18 +360,23 @@ class EngineLoop:
         self._out.append((item, result, error))
 
     def _deliver(self) -> None:
-        """Report what came out of the engine to `on_leave`, then resolve its futures."""
+        """Hand what came out of the engine to the records thread: on_leave, then its futures resolve."""
         if not self._out:
             return
         out, self._out = self._out, []
-        left = [item.name for item, _, _ in out if item.entered]
-        if left and self.on_leave is not None:
-            try:
-                self.on_leave(left)
-            except Exception as e:  # a record left behind only makes the document run alone if it comes back
-                log.warning("on_leave failed for %d requests: %s: %s", len(left), type(e).__name__, e)
+        if self._records is not None:
+            self._records.leave(out)
+            return
         for item, result, error in out:
-            item.loop.call_soon_threadsafe(_settle, item.future, result, error)
+            _resolve_soon(item, result, error)
+
+
+def _resolve_soon(item: _Pending, result: Any, error: BaseException | None) -> None:
+    """Resolve the request's future on its event loop (from any thread)."""
+    try:
+        item.loop.call_soon_threadsafe(_settle, item.future, result, error)
+    except RuntimeError:  # its event loop is closed: nobody is waiting for it any more
+        log.debug("request %s finished after its event loop closed", item.request.id)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -193,7 +193,8 @@ class InferStage:
         # that keeps killing this process ends as a `crashed` row instead of being retried by Ray forever.
         self.attempts = AttemptStore(output, run_id) if output is not None else None
         self.max_attempts = max_attempts
-        self._uris: dict[str, str] = {}  # doc_id -> source URI of documents submitted, for the test-only fault
+        self._uris: dict[str, str] = {}  # doc_id -> source URI of documents submitted (messages, test-only fault)
+        self._past: dict[str, list[Attempt]] = {}  # doc_id -> its attempts on record when its batch came in
         on_admit = self._admitted if self.attempts is not None else None
         on_leave = self._left if self.attempts is not None else None
 
@@ -223,15 +224,18 @@ class InferStage:
                  self.engine.num_slots, self.engine.slot_bytes.total / 2**20)
 
     def _admitted(self, entering: dict[str, bool]) -> None:
-        """In the engine thread, as documents enter the engine: record their attempts (before they can crash it).
-        Their records go (`AttemptStore.finish`, also on the engine thread) as they come out, before anything else
-        enters, so a death is charged to exactly the documents inside."""
-        self.attempts.enter(entering)
+        """On the engine loop's records thread, before documents enter the engine: record their attempts. Their
+        records go (`_left`, same thread, in order) as they come out, so a death alone is charged to its document
+        only (pipeline/serving.py)."""
+        # their past attempts as read when their batch came in, not again: a document taken back out of the
+        # engine and re-admitted alone in this process (EngineLoop._isolate) did not die the first time
+        known = all(d in self._past for d in entering)
+        self.attempts.enter(entering, past={d: self._past[d] for d in entering} if known else None)
         for doc_id in entering:
             document_fault("crash_infer", self._uris.get(doc_id, ""))
 
     def _left(self, doc_ids: list[str]) -> None:
-        """In the engine thread, as documents come out of the engine (a result or an error): their records go."""
+        """On the records thread, as documents came out of the engine (a result or an error): their records go."""
         try:
             self.attempts.finish(doc_ids)
         except Exception as e:  # a record left behind only makes its document run alone if it comes back
@@ -244,6 +248,7 @@ class InferStage:
             return await self.loop.submit(row["prompt_ids"], name=row["doc_id"], alone=alone)
         finally:
             self._uris.pop(row["doc_id"], None)
+            self._past.pop(row["doc_id"], None)
 
     async def __call__(self, batch: pa.Table) -> AsyncIterator[pa.Table]:
         from clover_batch.model import EngineCapacityError
@@ -261,6 +266,7 @@ class InferStage:
                 if len(attempts) >= self.max_attempts and any(a.alone for a in attempts):
                     fail(row, "crashed", crashed_message(attempts, self.max_attempts))
                 else:  # a document that was in the engine when its process died (a suspect) runs alone
+                    self._past[row["doc_id"]] = attempts
                     run.append((row, bool(attempts)))
             results = await asyncio.gather(*(self._run_one(row, alone) for row, alone in run), return_exceptions=True)
             todo = [row for row, _ in run]
