@@ -132,6 +132,22 @@ def s3_bucket(s3_server, request):
     return name, client
 
 
+def failing_on_token(preset: str, token: int):
+    """The preset's model, except that any forward over `token` raises, as a crash in a kernel would."""
+    from clover_batch.model import load_model
+
+    model = load_model(preset)
+
+    class Flaky(type(model)):
+        def forward_slots(self, input_ids, rows, **kw):
+            if bool((input_ids == token).any()):
+                raise RuntimeError("kernel failure")
+            return super().forward_slots(input_ids, rows, **kw)
+
+    model.__class__ = Flaky
+    return model
+
+
 def job_raw(input_uri: str, output_uri: str, **sections) -> dict:
     """A small job on the tiny preset; keyword arguments replace or extend whole sections."""
     raw = {

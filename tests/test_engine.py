@@ -11,6 +11,7 @@ from clover_batch.model import DecodeOptions, Engine, EngineCapacityError, Reque
 from clover_batch.model.generate import generate_nocache, prompt_seed
 from clover_batch.model.slots import slot_bytes
 from clover_batch.pipeline.serving import EngineLoop
+from conftest import failing_on_token
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -219,15 +220,7 @@ def test_engine_loop_serves_concurrent_batches_and_isolates_a_failing_request(mo
     the requests one at a time, and only it gets the error."""
     model = models["tiny"]
     poison = 77
-
-    class Flaky(type(model)):  # a model whose kernels fail on one token id, as a crash in a kernel would
-        def forward_slots(self, input_ids, rows, **kw):
-            if bool((input_ids == poison).any()):
-                raise RuntimeError("kernel failure")
-            return super().forward_slots(input_ids, rows, **kw)
-
-    flaky = load_model("tiny")
-    flaky.__class__ = Flaky
+    flaky = failing_on_token("tiny", poison)
     options = DecodeOptions(max_new_tokens=10, tokens_per_step=2)
     loop = EngineLoop(Engine(flaky, options, max_slots=3))
     prompts = [PROMPTS["a"], PROMPTS["c"], [poison] * 20, PROMPTS["d"], PROMPTS["b"]]

@@ -15,7 +15,7 @@ from clover_batch.connectors.fs import Location
 from clover_batch.connectors.sink import read_output
 from clover_batch.jobs.runner import DEFAULT_RETRY_STATUSES, run
 from clover_batch.jobs.spec import parse_job
-from conftest import job_raw, requires_engine, write_job
+from conftest import failing_on_token, job_raw, requires_engine, write_job
 
 
 @pytest.mark.parametrize("store", ["local", "memory", "s3"])
@@ -140,15 +140,7 @@ def test_a_failing_step_reruns_each_document_alone_on_the_record(tmp_path):
     from clover_batch.pipeline.serving import EngineLoop
 
     model, poison = load_model("tiny"), 77
-
-    class Flaky(type(model)):  # fails on one token id, as a crash in a kernel would
-        def forward_slots(self, input_ids, rows, **kw):
-            if bool((input_ids == poison).any()):
-                raise RuntimeError("kernel failure")
-            return super().forward_slots(input_ids, rows, **kw)
-
-    flaky = load_model("tiny")
-    flaky.__class__ = Flaky
+    flaky = failing_on_token("tiny", poison)
     options = DecodeOptions(max_new_tokens=24, tokens_per_step=2)
     engine = Engine(flaky, options, max_slots=4)
     store = AttemptStore(Location(str(tmp_path / "out")), "run-1")
