@@ -165,11 +165,14 @@ def test_a_failing_step_reruns_each_document_alone_on_the_record(tmp_path):
     reruns = [e for e in admitted if list(e.values()) == [True]]
     assert {"p": True} in reruns  # the documents in flight when the step failed ran again alone (which others
     # were still inside then depends on timing: they all fit in the engine, so most often all of them)
+    checked = set()
     for name, inside, recorded in seen:
         assert {name, *inside} <= set(recorded)
         if inside == [] and {name: True} in reruns and recorded[name][-1].alone:  # a rerun going in alone
             done = {n for e in reruns[:reruns.index({name: True})] for n in e}
             assert not done & set(recorded)  # the reruns before it are off the record
+            checked.add(name)
+    assert checked == {n for e in reruns for n in e}  # each rerun was seen going in alone, on the record
     assert store.unfinished(prompts) == {}
 
 
