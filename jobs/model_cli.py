@@ -104,42 +104,87 @@ def _count(n: int) -> str:
 
 
 def architecture_table(source: str) -> Table:
-    """What `model inspect` prints: the config of a preset or checkpoint directory and its parameter counts."""
-    from clover_batch.model import load_config
+    """What `model inspect` prints: the config of a preset or checkpoint directory, its parameter counts, where each
+    value came from (file and key), what the checkpoint holds and skips, and how its denoising steps are computed
+    (published formula or the public record's reading, piece by piece)."""
+    from clover_batch.model import is_preset, kernels, load_config
+    from clover_batch.model.preview import PIECES
 
     cfg = load_config(source)
+    preset = is_preset(source)
+    src = cfg.sources
+
+    def origin(*keys: str) -> str:
+        if preset:
+            return "preset"
+        return "; ".join(dict.fromkeys(src.get(k, "?") for k in keys))
+
     total, active = cfg.parameter_counts()
     n_gdn = sum(kind == "linear_attention" for kind in cfg.layer_types)
-    table = Table(title=f"{source}", show_header=False)
+    table = Table(title=f"{source}")
     table.add_column("field", style="bold")
     table.add_column("value")
+    table.add_column("from", style="dim")
     if cfg.diffusion is not None:
         d = cfg.diffusion
         kind = (f"diffusion (block size {d.block_size}, mask token {d.mask_token_id}, prompt attention "
-                f"{d.prompt_attention}, logits shift {str(d.logits_shift).lower()})")
+                f"{d.prompt_attention}, logits shift {str(d.logits_shift).lower()}, preview operator "
+                f"{d.preview_operator}{f', coreset {d.coreset_size}' if d.coreset_size else ''})")
+        kind_from = origin("diffusion.block_size", "diffusion.mask_token_id", "diffusion.logits_shift",
+                           "diffusion.coreset_size")
     else:
-        kind = "autoregressive"
+        kind, kind_from = "autoregressive", "no diffusion settings"
     rows = [
-        ("model", kind),
-        ("parameters", _count(total)),
-        ("active per token", _count(active)),
-        ("layers", f"{cfg.num_hidden_layers}: {n_gdn} Gated DeltaNet, {cfg.num_hidden_layers - n_gdn} full attention"),
-        ("hidden size", str(cfg.hidden_size)),
+        ("model", kind, kind_from),
+        ("parameters", _count(total), "computed"),
+        ("active per token", _count(active), "computed"),
+        ("layers", f"{cfg.num_hidden_layers}: {n_gdn} Gated DeltaNet, {cfg.num_hidden_layers - n_gdn} full attention",
+         origin("layer_types")),
+        ("hidden size", str(cfg.hidden_size), origin("hidden_size")),
         ("attention", f"{cfg.num_attention_heads} query / {cfg.num_key_value_heads} kv heads of {cfg.head_dim}, "
-                      f"RoPE on {cfg.rotary_dim} dims (theta {cfg.rope_theta:g}), window {cfg.window_tokens}"),
+                      f"RoPE on {cfg.rotary_dim} dims (theta {cfg.rope_theta:g}), window {cfg.window_tokens}",
+         origin("num_attention_heads", "num_key_value_heads", "head_dim", "partial_rotary_factor", "rope_theta",
+                "window_tokens")),
         ("Gated DeltaNet", f"{cfg.linear_num_key_heads} key / {cfg.linear_num_value_heads} value heads, "
                            f"dims {cfg.linear_key_head_dim} / {cfg.linear_value_head_dim}, "
-                           f"conv kernel {cfg.linear_conv_kernel_dim}"),
+                           f"conv kernel {cfg.linear_conv_kernel_dim}",
+         origin("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim")),
         ("experts", f"{cfg.num_experts} routed, top {cfg.num_experts_per_tok}, width {cfg.moe_intermediate_size}; "
-                    f"shared expert width {cfg.shared_expert_intermediate_size}"),
+                    f"shared expert width {cfg.shared_expert_intermediate_size}",
+         origin("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                "norm_topk_prob")),
         ("vocabulary", f"{cfg.vocab_size}, eos {list(cfg.eos_token_ids)}, "
-                       f"{'tied' if cfg.tie_word_embeddings else 'separate'} lm_head"),
+                       f"{'tied' if cfg.tie_word_embeddings else 'separate'} lm_head",
+         origin("vocab_size", "eos_token_ids", "tie_word_embeddings")),
     ]
-    from clover_batch.model import kernels
+    if not preset:
+        from clover_batch.model import vendor_decode_defaults
+        from clover_batch.model.weights import checkpoint_inventory
 
-    rows.append(("kernels", f"{kernels.describe()} ({kernels.KERNELS_ENV}=torch|fla|auto chooses)"))
-    for field, value in rows:
-        table.add_row(field, value)
+        inv = checkpoint_inventory(Path(source))
+        skipped = ", ".join(f"{name} ({n} tensors)" for name, n in inv.skipped.items()) or "nothing"
+        rows.append(("weights", f"{inv.tensors} tensors in {inv.files} file(s); names under "
+                                f"{', '.join(inv.prefixes) or 'no prefix'}; experts {inv.experts}; skipped: {skipped}",
+                     "safetensors headers"))
+        if inv.block_diffusion:
+            rows.append(("block-diffusion GDN tensors",
+                         ", ".join(f"{k} ({n} layers)" for k, n in inv.block_diffusion.items()),
+                         "safetensors headers"))
+        for name, (value, where) in vendor_decode_defaults(Path(source)).items():
+            rows.append((f"decode default: {name}", repr(value), where))
+    if cfg.diffusion is not None:
+        if cfg.diffusion.clover:
+            for piece, status, where in PIECES:
+                if "coreset" in piece and cfg.diffusion.coreset_size is None:
+                    piece += ": off (coreset_size unset)"
+                rows.append((f"preview: {status}", piece, where))
+        else:
+            rows.append(("preview", "the model's own forward over the block (block-causal attention, causal GDN)",
+                         "preview_operator trunk"))
+    rows.append(("kernels", kernels.describe(), f"{kernels.KERNELS_ENV}=torch|fla|auto chooses"))
+    for field, value, where in rows:
+        table.add_row(field, value, where)
     return table
 
 

@@ -90,7 +90,12 @@ class RunReport:
     max_decode_batch: int  # most documents one replica decoded together
     kernels: list[str]  # what the replicas ran: fla or torch kernels, CUDA graphs, dtype and device
     stage_seconds: dict[str, float]  # seconds per stage, summed over documents
-    job: dict[str, Any]  # the job as run, storage options (credentials) left out
+    job: dict[str, Any]  # the job as run (decode: with the checkpoint's defaults), storage options left out
+    # the ok rows' mean_logprob (the trunk's confidence in the outputs): count, mean, min, p10, p50, p90, max
+    mean_logprob: dict[str, float | None] = field(default_factory=dict)
+    decode_from_checkpoint: dict[str, str] = field(default_factory=dict)  # decode field -> checkpoint file:key
+    # how denoising steps were computed: piece -> "exact: source" or "reading: source" (model/preview.py)
+    preview_operator: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -211,7 +216,7 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
         output=Location(_absolute(spec.output.uri), spec.output.storage_options),
         model=ModelRef(_absolute(spec.model.source) if os.path.isdir(spec.model.source) else spec.model.source,
                        spec.model.dtype, spec.model.storage_options, spec.model.cache_dir,
-                       spec.model.expert_parallel),
+                       spec.model.expert_parallel, spec.model.overrides(), spec.model.enable_thinking),
         task=TaskRef(task.kind, task.instruction, fields),
         decode=spec.decode.options(),
         job_name=spec.name,
@@ -234,7 +239,8 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
 def output_settings(spec: JobSpec) -> dict[str, Any]:
     """What a row's content depends on: rows made with other settings must not share an output folder."""
     return {
-        "model": {"source": spec.model.source, "dtype": spec.model.dtype},
+        "model": {"source": spec.model.source, "dtype": spec.model.dtype, **spec.model.overrides(),
+                  **({"enable_thinking": True} if spec.model.enable_thinking else {})},
         "task": spec.task.model_dump(mode="json"),
         "decode": spec.decode.model_dump(mode="json"),
     }
@@ -337,6 +343,7 @@ class RunTotals:
     input_tokens: int = 0
     output_tokens: int = 0
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*STAGES, "write"), 0.0))
+    mean_logprobs: list[float] = field(default_factory=list)  # of the ok rows that have one
 
 
 def execute(plan: RunPlan, opts: PipelineOptions, on_progress: Callable[[Progress], None] | None = None
@@ -355,6 +362,8 @@ def execute(plan: RunPlan, opts: PipelineOptions, on_progress: Callable[[Progres
             totals.progress.by_status[row["status"]] += 1
             totals.input_tokens += row["input_tokens"] or 0
             totals.output_tokens += row["output_tokens"] or 0
+            if row["status"] == "ok" and row["mean_logprob"] is not None:
+                totals.mean_logprobs.append(row["mean_logprob"])
             totals.max_decode_batch = max(totals.max_decode_batch, row["decode_batch"] or 0)
             if row["kernels"]:
                 totals.kernels.add(row["kernels"])
@@ -386,7 +395,10 @@ def run(
     With a ray:// address (Ray Client), Ray Data cannot execute from this process: the run executes in a driver
     actor on the cluster's head node, and this process relays its progress and returns its result.
     """
-    check_model(spec)  # config, checkpoint headers, chat template: before the lock, Ray or any worker
+    checked = check_model(spec)  # config, checkpoint headers, chat template: before the lock, Ray or any worker
+    # the checkpoint's decode controls fill what the job leaves unset: the replicas, the output's manifest and the
+    # report all see the decode settings actually run
+    spec = spec.model_copy(update={"decode": checked.decode})
     retry_statuses = check_retry_statuses(retry_statuses)
     run_id = run_id or new_run_id()
     spec = _with_absolute_paths(spec)
@@ -394,10 +406,32 @@ def run(
     if target is not None and not ray.is_initialized():
         check_reachable(target)  # a wrong address fails every run, not only those with documents to process
     client = ray.util.client.ray.is_connected() if ray.is_initialized() else (target or "").startswith("ray://")
+    model_info = ModelInfo(checked.decode_sources, preview_provenance(checked.config))
     if client:
         with connect_ray(target):
-            return _run_on_cluster(spec, run_id, retry_statuses, on_progress)
-    return _run_here(spec, run_id, target, retry_statuses, on_progress)
+            return _run_on_cluster(spec, run_id, retry_statuses, on_progress, model_info)
+    return _run_here(spec, run_id, target, retry_statuses, on_progress, model_info)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the driver's model check found, for the run report."""
+
+    decode_sources: dict[str, str] = field(default_factory=dict)
+    preview: dict[str, str] = field(default_factory=dict)
+
+
+def preview_provenance(config: Any) -> dict[str, str]:
+    """How this model's denoising steps are computed, piece by piece, and what each follows."""
+    from clover_batch.model.preview import PIECES
+
+    d = config.diffusion
+    if d is None:
+        return {}
+    if not d.clover:
+        return {"denoising step": "the model's own block-causal forward over the block (preview_operator trunk)"}
+    return {piece: f"{status}: {source}" for piece, status, source in PIECES
+            if "coreset" not in piece or d.coreset_size is not None}
 
 
 def _with_absolute_paths(spec: JobSpec) -> JobSpec:
@@ -414,7 +448,7 @@ def _with_absolute_paths(spec: JobSpec) -> JobSpec:
 
 
 def _run_here(spec: JobSpec, run_id: str, address: str | None, retry_statuses: tuple[str, ...],
-              on_progress: Callable[[Progress], None] | None) -> RunResult:
+              on_progress: Callable[[Progress], None] | None, model_info: ModelInfo | None = None) -> RunResult:
     start = time.perf_counter()
     opts = pipeline_options(spec, run_id)
     check_output_outside_input(opts.input, opts.output)
@@ -432,14 +466,28 @@ def _run_here(spec: JobSpec, run_id: str, address: str | None, retry_statuses: t
                 totals = execute(plan, opts, on_progress)
         else:
             totals = execute(plan, opts, on_progress)
-        report = _report(spec, run_id, plan, totals, connected, time.perf_counter() - start)
+        report = _report(spec, run_id, plan, totals, connected, time.perf_counter() - start,
+                         model_info or ModelInfo())
         report_uri = write_report(opts.output, run_id, report.to_json())
     log.info("run %s finished: %s", run_id, report.by_status)
     return RunResult(run_id, report, report_uri)
 
 
-def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_address: str, wall: float
-            ) -> RunReport:
+def distribution(values: list[float]) -> dict[str, float | None]:
+    """count, mean, min, p10, p50, p90, max of `values` (nearest-rank percentiles); None entries when empty."""
+    if not values:
+        return {"count": 0, "mean": None, "min": None, "p10": None, "p50": None, "p90": None, "max": None}
+    ordered = sorted(values)
+
+    def rank(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+    return {"count": len(ordered), "mean": sum(ordered) / len(ordered), "min": ordered[0], "p10": rank(0.1),
+            "p50": rank(0.5), "p90": rank(0.9), "max": ordered[-1]}
+
+
+def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_address: str, wall: float,
+            model_info: ModelInfo) -> RunReport:
     done = totals.progress.done
     return RunReport(
         run_id=run_id,
@@ -471,6 +519,9 @@ def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_ad
             mode="json",
             exclude={"input": {"storage_options"}, "output": {"storage_options"}, "model": {"storage_options"}},
         ),
+        mean_logprob=distribution(totals.mean_logprobs),
+        decode_from_checkpoint=model_info.decode_sources,
+        preview_operator=model_info.preview,
     )
 
 
@@ -482,21 +533,21 @@ class _ClusterDriver:
     def __init__(self) -> None:
         self.progress: Progress | None = None
 
-    def run(self, spec: JobSpec, run_id: str, retry_statuses: tuple[str, ...]) -> RunResult:
+    def run(self, spec: JobSpec, run_id: str, retry_statuses: tuple[str, ...], model_info: ModelInfo) -> RunResult:
         def keep(p: Progress) -> None:
             self.progress = Progress(p.total, p.done, Counter(p.by_status))
 
-        return _run_here(spec, run_id, None, retry_statuses, keep)
+        return _run_here(spec, run_id, None, retry_statuses, keep, model_info)
 
     def get_progress(self) -> Progress | None:
         return self.progress
 
 
 def _run_on_cluster(spec: JobSpec, run_id: str, retry_statuses: tuple[str, ...],
-                    on_progress: Callable[[Progress], None] | None) -> RunResult:
+                    on_progress: Callable[[Progress], None] | None, model_info: ModelInfo) -> RunResult:
     # On the head node, as `ray job submit` runs its entrypoint: the node that is always there.
     driver = _ClusterDriver.options(resources={"node:__internal_head__": 0.001}).remote()
-    result_ref = driver.run.remote(spec, run_id, retry_statuses)
+    result_ref = driver.run.remote(spec, run_id, retry_statuses, model_info)
     try:
         while True:
             ready, _ = ray.wait([result_ref], timeout=0.5)

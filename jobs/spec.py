@@ -95,6 +95,35 @@ class ModelSpec(_Strict):
         description="Local folder for checkpoints copied from URIs (default: ~/.cache/clover-batch/checkpoints).",
     )
     expert_parallel: int = Field(default=1, ge=1, description="Devices one replica's experts are spread over.")
+    block_size: int | None = Field(
+        default=None, ge=1,
+        description="Diffusion block size, when the checkpoint's config.json / generation_config.json does not give "
+        "it (or gives it wrong); unset: the checkpoint's.",
+    )
+    mask_token_id: int | None = Field(
+        default=None, ge=0, description="Id of the mask token of a diffusion checkpoint; unset: the checkpoint's."
+    )
+    logits_shift: bool | None = Field(
+        default=None,
+        description="Whether a masked position is read from the previous position's logits (next-token models such "
+        "as Clover: true) or its own; unset: the checkpoint's (Clover's layout: true).",
+    )
+    coreset_size: int | None = Field(
+        default=None, ge=1,
+        description="Clover's preview: route each block's tokens within the block's expert coreset of this many "
+        "experts (the public record's reading of the rule); unset: the checkpoint's, else unrestricted routing.",
+    )
+    enable_thinking: bool = Field(
+        default=False,
+        description="Render the chat template with enable_thinking (Qwen3.6-family templates think by default); any "
+        "<think>...</think> block is removed from output_text before the answer is read.",
+    )
+
+    def overrides(self) -> dict[str, Any]:
+        """The model settings that override the checkpoint's (load_config), those that are set."""
+        return {k: v for k, v in (("block_size", self.block_size), ("mask_token_id", self.mask_token_id),
+                                  ("logits_shift", self.logits_shift), ("coreset_size", self.coreset_size))
+                if v is not None}
 
 
 class ExtractField(_Strict):

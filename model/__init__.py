@@ -12,7 +12,15 @@ import torch
 
 from . import kernels
 from .clover import CloverModel
-from .config import CloverConfig, ConfigError, DiffusionConfig, from_preset, is_preset
+from .config import (
+    DIFFUSION_OVERRIDES,
+    CloverConfig,
+    ConfigError,
+    DiffusionConfig,
+    from_preset,
+    is_preset,
+    vendor_decode_defaults,
+)
 from .engine import Engine, EngineCapacityError, EngineStats, Generation, Request
 from .generate import generate
 from .moe import Experts
@@ -50,20 +58,41 @@ __all__ = [
     "load_config",
     "load_model",
     "save_checkpoint",
+    "vendor_decode_defaults",
 ]
 
 # Random initialisation of presets is for small models; the published shape is for `inspect` and checkpoints.
 MAX_RANDOM_INIT_PARAMS = 2_000_000_000
 
 
-def load_config(source: str | Path) -> CloverConfig:
-    """The config of a preset name or of a checkpoint directory."""
+def load_config(source: str | Path, overrides: dict | None = None) -> CloverConfig:
+    """The config of a preset name or of a checkpoint directory.
+
+    overrides: config fields to replace (e.g. {"window_tokens": 32768}) and diffusion settings a checkpoint may lack
+    or get wrong (DIFFUSION_OVERRIDES: block_size, mask_token_id, logits_shift, coreset_size; None values ignored).
+    """
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    diffusion = {k: overrides.pop(k) for k in DIFFUSION_OVERRIDES if k in overrides}
     if isinstance(source, str) and is_preset(source):
-        return from_preset(source)
-    path = Path(source)
-    if not path.is_dir():
-        raise ConfigError(f"model source {str(source)!r} is neither a preset nor a checkpoint directory")
-    return read_config(path)
+        config = from_preset(source)
+        if diffusion:
+            if config.diffusion is None:
+                raise ConfigError(f"model overrides {sorted(diffusion)} apply to diffusion models; preset {source!r} "
+                                  f"is autoregressive")
+            config = config.replace(diffusion=dataclasses.replace(config.diffusion, **diffusion))
+    else:
+        path = Path(source)
+        if not path.is_dir():
+            raise ConfigError(f"model source {str(source)!r} is neither a preset nor a checkpoint directory")
+        config = read_config(path, diffusion)
+    if overrides:
+        allowed = {f.name for f in dataclasses.fields(CloverConfig) if f.init} - {"sources", "diffusion"}
+        unknown = sorted(set(overrides) - allowed)
+        if unknown:
+            raise ConfigError(f"unknown config override(s) {unknown}; overridable fields: "
+                              f"{sorted(allowed | set(DIFFUSION_OVERRIDES))}")
+        config = config.replace(**overrides)
+    return config
 
 
 def build_model(config: CloverConfig, *, expert_range: tuple[int, int] | None = None) -> CloverModel:
@@ -84,19 +113,12 @@ def load_model(source: str | Path, *, device: str | torch.device = "cpu", dtype:
                overrides: dict | None = None) -> CloverModel:
     """A ready model from a preset name (seeded random weights) or a checkpoint directory (safetensors).
 
-    expert_range: hold only experts [first, end) (expert parallelism). overrides: config fields to replace, e.g.
-    {"window_tokens": 32768}.
+    expert_range: hold only experts [first, end) (expert parallelism). overrides: as `load_config`'s.
     """
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
     device = torch.device(device)
-    config = load_config(source)
-    if overrides:
-        allowed = {f.name for f in dataclasses.fields(CloverConfig) if f.init}
-        unknown = sorted(set(overrides) - allowed)
-        if unknown:
-            raise ConfigError(f"unknown config override(s) {unknown}; overridable fields: {sorted(allowed)}")
-        config = config.replace(**overrides)
+    config = load_config(source, overrides)
     preset = isinstance(source, str) and is_preset(source)
     if preset and config.parameter_counts()[0] > MAX_RANDOM_INIT_PARAMS:
         raise ConfigError(f"preset {source!r} has {config.parameter_counts()[0] / 1e9:.1f}B parameters: random "

@@ -5,7 +5,11 @@ Notable choices:
   a denoising step can be re-run against the same committed state as often as needed.
 - `attention` picks how the new tokens see each other in full-attention layers: "causal", or "block_causal"
   (bidirectional inside blocks of `block_size` aligned on absolute positions, causal across blocks). GDN layers
-  are always causal: a recurrence has no other form.
+  are causal, except in a preview of Clover's operator.
+- `preview=True` runs a denoising step over the new tokens (one block) against the state, never committing it:
+  for a checkpoint with the `trunk` operator that is the model's own block-causal forward; for Clover's layout
+  (`preview_operator: clover`) the public record's preview operator (preview.py). Prefill and commits of a Clover
+  model are the causal trunk.
 - `keep_logits` computes the lm_head only for the last n positions (0: none): prefill of a 128K window would
   otherwise materialise T x V logits nobody reads.
 - `forward_slots` is the engine's path over preallocated slots written in place (slots.py); the layers are the same,
@@ -20,6 +24,7 @@ from torch import nn
 from . import ops
 from .config import CloverConfig
 from .layers import AttentionContext, DecoderLayer, RMSNorm
+from .preview import PreviewPlan
 from .slots import SlotRows
 from .state import AttentionState, CloverState
 
@@ -53,20 +58,23 @@ class CloverModel(nn.Module):
         return "block_causal" if d is not None and d.prompt_attention == "block_causal" else "causal"
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, state: CloverState | None = None, *, commit: bool = True,
-                attention: str | None = None, keep_logits: int | None = None,
-                window_tokens: int | None = None) -> tuple[torch.Tensor | None, CloverState]:
+    def forward(self, input_ids: torch.Tensor, state: CloverState | None = None, *, commit: bool | None = None,
+                attention: str | None = None, keep_logits: int | None = None, window_tokens: int | None = None,
+                preview: bool = False) -> tuple[torch.Tensor | None, CloverState]:
         """Run `input_ids` [B, T] after `state`; returns (logits [B, T', V] or None, state).
 
-        attention: "causal" | "block_causal" (default: the config's prompt attention). keep_logits: logits for the
-        last n positions only (None: all, 0: none). window_tokens: overrides the config's attention window.
+        commit: return the state after the tokens (default), or the state passed in (False). attention: "causal" |
+        "block_causal" (default: the config's prompt attention). keep_logits: logits for the last n positions only
+        (None: all, 0: none). window_tokens: overrides the config's attention window. preview: a denoising step
+        over the tokens as one block (see the module docstring); never commits.
         """
         return self.forward_train(input_ids, state, commit=commit, attention=attention, keep_logits=keep_logits,
-                                  window_tokens=window_tokens)
+                                  window_tokens=window_tokens, preview=preview)
 
-    def forward_train(self, input_ids: torch.Tensor, state: CloverState | None = None, *, commit: bool = True,
+    def forward_train(self, input_ids: torch.Tensor, state: CloverState | None = None, *, commit: bool | None = None,
                       attention: str | None = None, keep_logits: int | None = None,
-                      window_tokens: int | None = None) -> tuple[torch.Tensor | None, CloverState]:
+                      window_tokens: int | None = None,
+                      preview: bool = False) -> tuple[torch.Tensor | None, CloverState]:
         """`forward` with autograd: the same computation, recording gradients when the caller enables them."""
         cfg = self.config
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -75,6 +83,19 @@ class CloverModel(nn.Module):
             bad = input_ids[(input_ids < 0) | (input_ids >= cfg.vocab_size)][:5].tolist()
             raise ValueError(f"token ids {bad} are outside the vocabulary (size {cfg.vocab_size})")
         B, T = input_ids.shape
+        plan = None
+        if preview:
+            if cfg.diffusion is None:
+                raise ValueError("preview=True is a denoising step: this model is autoregressive")
+            if commit:
+                raise ValueError("a preview pass never commits (commit=True with preview=True)")
+            commit = False
+            if cfg.diffusion.clover:
+                plan = PreviewPlan(split=T, tokens=T, commits=None, any_commit=False, all_commit=False,
+                                   coreset_size=cfg.diffusion.coreset_size)
+            else:
+                attention = "block_causal"
+        commit = True if commit is None else commit
         input_ids = input_ids.to(self.device)
         if state is None:
             state = self.empty_state(B)
@@ -87,7 +108,7 @@ class CloverModel(nn.Module):
         if keep_logits is not None and keep_logits < 0:
             raise ValueError(f"keep_logits must be None or >= 0, got {keep_logits}")
         ctx = self._context(state.positions, T, attention or self.default_attention(),
-                            cfg.window_tokens if window_tokens is None else window_tokens)
+                            cfg.window_tokens if window_tokens is None else window_tokens, plan)
 
         h = self.embed_tokens(input_ids)
         new_layers = []
@@ -105,16 +126,20 @@ class CloverModel(nn.Module):
 
     @torch.inference_mode()
     def forward_slots(self, input_ids: torch.Tensor, rows: SlotRows, *, attention: str,
-                      keep_logits: int | None) -> torch.Tensor | None:
+                      keep_logits: int | None, preview: bool = False) -> torch.Tensor | None:
         """The engine's forward: `input_ids` [B, T] after the sequences in slots rows.start.. (slots.py), whose
         state is read in place and advanced in place for the committing rows. Returns logits as `forward` does.
 
+        preview: a denoising step (the rows that do not commit, and the tokens after the committed ones, are
+        previews): for a Clover-layout model the preview operator, else the `attention` given (block-causal).
         Token ids are not checked here: the engine checks prompts when they are added, and every other id it
         feeds comes from the model itself (a check would cost a host sync per step).
         """
-        ctx = self._context(rows.positions, input_ids.shape[1], attention, rows.window)
-        block = self.config.diffusion.block_size if self.config.diffusion is not None else 1
-        ctx.all_visible = rows.all_visible(attention, block)
+        d = self.config.diffusion
+        plan = rows.preview_plan(d.coreset_size) if preview and d is not None and d.clover else None
+        ctx = self._context(rows.positions, input_ids.shape[1], attention, rows.window, plan)
+        block = d.block_size if d is not None else 1
+        ctx.all_visible = rows.all_visible(attention, block, plan)
         rows.write_key_positions(ctx.q_pos)
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
@@ -130,10 +155,14 @@ class CloverModel(nn.Module):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return ops.linear(self.norm(h), head)
 
-    def _context(self, positions: torch.Tensor, T: int, attention: str, window: int) -> AttentionContext:
+    def _context(self, positions: torch.Tensor, T: int, attention: str, window: int,
+                 plan: PreviewPlan | None = None) -> AttentionContext:
         cfg = self.config
         q_pos = positions[:, None] + torch.arange(T, device=positions.device)  # [B, T]
-        if attention == "causal":
+        if plan is not None:  # previewed tokens see their whole block; committed ones are causal (the trunk)
+            block_end = positions[:, None] + plan.segment_end(positions.device)
+            visible_until = torch.where(plan.preview_tokens(positions.device), block_end, q_pos)
+        elif attention == "causal":
             visible_until = q_pos
         elif attention == "block_causal":
             if cfg.diffusion is None:
@@ -145,4 +174,4 @@ class CloverModel(nn.Module):
         if window < 1:
             raise ValueError(f"window_tokens must be >= 1, got {window}")
         cos, sin = ops.rope_cos_sin(q_pos, cfg.rope_dim, cfg.rope_theta, self.dtype)
-        return AttentionContext(q_pos, cos, sin, visible_until, window)
+        return AttentionContext(q_pos, cos, sin, visible_until, window, preview=plan)

@@ -48,7 +48,7 @@ import torch
 from .clover import CloverModel
 from .graphs import StaticDecode, graphs_wanted
 from .options import DecodeOptions
-from .sampling import pick_tokens, select_block_positions
+from .sampling import apply_penalties, pick_tokens, select_block_positions
 from .slots import SlotBytes, SlotState, slot_bytes
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,10 @@ class Generation:
     windows: int  # ceil(prompt_tokens / window_tokens): attention windows the prompt spans
     stopped: str  # "eos" (a stop token was generated) or "length" (max_new_tokens reached)
     decode_batch: int = 1  # the most sequences in any decode step this one took part in
+    # mean log-probability of `tokens` under the model's causal trunk (None: a diffusion model whose causal
+    # logits do not score the next token, or no tokens): measured, not a sampling score; a wrong preview operator
+    # writes tokens the exact trunk finds improbable
+    mean_logprob: float | None = None
 
 
 @dataclass
@@ -117,6 +121,10 @@ class _Live:
     decode_s: float = 0.0
     stopped: str = ""
     decode_batch: int = 0
+    logprob: float = 0.0  # summed log-probabilities of the generated tokens scored so far
+    scored: int = 0  # generated tokens scored so far
+    score_to: int = 0  # diffusion: the block's generated tokens lie in [tail, score_to) (scored at its commit)
+    finishing: bool = False  # diffusion, shifted: done; its last block is committed once more to be scored
 
 
 def default_memory_budget(device: torch.device) -> int:
@@ -163,7 +171,12 @@ class Engine:
         self.model, self.options, self.config = model, options, cfg
         self.window, self.chunk = options.window(cfg), options.chunk(cfg)
         self.stops = frozenset(options.stops(cfg))
-        self.block_size = cfg.diffusion.block_size if cfg.diffusion is not None else 1
+        self.diffusion = options.diffusion(cfg)  # block diffusion, or one token per step (options.mode)
+        self.block_size = cfg.diffusion.block_size if self.diffusion and cfg.diffusion is not None else 1
+        # the last position's logits score the next token (autoregressive, or a shifted diffusion model such as
+        # Clover): they are kept per slot, and each generated token's log-probability under the causal trunk is
+        # measured (Generation.mean_logprob)
+        self.shifted = not self.diffusion or bool(cfg.diffusion is not None and cfg.diffusion.logits_shift)
         self.prefill_budget = prefill_tokens_per_step or self.chunk
         if self.prefill_budget < 1:
             raise ValueError(f"prefill_tokens_per_step must be >= 1, got {self.prefill_budget}")
@@ -182,7 +195,7 @@ class Engine:
             self._allocate(max_forward)
             if graphs_wanted(model) if cuda_graphs is None else cuda_graphs:
                 assert self.slots is not None
-                pad = cfg.diffusion.mask_token_id if cfg.diffusion is not None else 0
+                pad = cfg.diffusion.mask_token_id if self.diffusion and cfg.diffusion is not None else 0
                 self.static = StaticDecode(model, self.slots, capture=model.device.type == "cuda", pad_token=pad)
         self._positions = torch.arange(self.block_size, device=dev)
         self._seed_base = options.seed if options.seed is not None else secrets.randbits(62)
@@ -203,6 +216,9 @@ class Engine:
         self.logits = torch.zeros(S, cfg.vocab_size, dtype=torch.float32, device=dev)
         self.block = torch.zeros(S, self.block_size, dtype=torch.long, device=dev)  # diffusion blocks
         self.limit = torch.zeros(S, dtype=torch.long, device=dev)  # block positions [0, limit) may be filled
+        # response token counts per slot, for the penalties (only when some penalty is on: V floats a slot)
+        self.counts = (torch.zeros(S, cfg.vocab_size, dtype=torch.float32, device=dev) if self.options.penalized
+                       else None)
 
     # ---- public API -------------------------------------------------------------------------------------------
     @property
@@ -286,7 +302,7 @@ class Engine:
             seed = request.seed if request.seed is not None else _seed_for(self._seed_base, request.id)
             generator = torch.Generator(device=self.model.device).manual_seed(seed % 2**63)
         n = len(request.prompt_ids)
-        target = n if self.config.diffusion is None else (n // self.block_size) * self.block_size
+        target = (n // self.block_size) * self.block_size if self.diffusion else n
         return _Live(request, order, generator, prefill_target=target,
                      max_new=request.max_new_tokens or self.options.max_new_tokens)
 
@@ -304,6 +320,8 @@ class Engine:
         assert self.slots is not None
         self.slots.reset(live.slot)
         self.logits[live.slot].zero_()
+        if self.counts is not None:
+            self.counts[live.slot].zero_()
         self.stats.most_active = max(self.stats.most_active, self.active + 1)
         return live
 
@@ -313,7 +331,8 @@ class Engine:
             self._move(live.slot, dst, live.length)
             live.slot = dst
         self.decoding.append(live)
-        if self.config.diffusion is not None:
+        if self.diffusion:
+            assert self.config.diffusion is not None
             prompt, bs = live.req.prompt_ids, self.block_size
             live.tail = len(prompt) - live.prefill_target
             mask = self.config.diffusion.mask_token_id
@@ -323,8 +342,9 @@ class Engine:
     def _move(self, src: int, dst: int, length: int) -> None:
         assert self.slots is not None
         self.slots.move(src, dst, length)
-        for t in (self.logits, self.block, self.limit):
-            t[dst] = t[src]
+        for t in (self.logits, self.block, self.limit, self.counts):
+            if t is not None:
+                t[dst] = t[src]
         self.stats.moves += 1
 
     def _release(self, lives: list[_Live]) -> None:
@@ -345,14 +365,15 @@ class Engine:
         return live.req.id, Generation(
             tokens=live.out, forward_passes=live.forwards, denoising_steps=live.steps, prompt_tokens=n,
             prefill_seconds=live.prefill_s, decode_seconds=live.decode_s, windows=math.ceil(n / self.window),
-            stopped=live.stopped, decode_batch=live.decode_batch)
+            stopped=live.stopped, decode_batch=live.decode_batch,
+            mean_logprob=live.logprob / live.scored if self.shifted and live.scored else None)
 
     # ---- prefill ----------------------------------------------------------------------------------------------
     def _prefill_step(self) -> None:
         assert self.slots is not None
         used = 0
-        keep = self.config.diffusion is None or self.config.diffusion.logits_shift  # last position's logits
-        attention = self.model.default_attention()
+        keep = self.shifted  # the last position's logits score the first generated token
+        attention = self.model.default_attention() if self.diffusion else "causal"
         start = time.perf_counter()
         while used < self.prefill_budget:
             live = self.prefilling or self._admit()
@@ -384,7 +405,7 @@ class Engine:
     # ---- decode -----------------------------------------------------------------------------------------------
     def _decode_step(self) -> list[tuple[str, Generation]]:
         start = time.perf_counter()
-        if self.config.diffusion is None:
+        if not self.diffusion:
             finished = self._autoregressive_step()
         else:
             finished = self._diffusion_step()
@@ -404,14 +425,14 @@ class Engine:
         return bool(live.stopped)
 
     def _forward_decode(self, ids: torch.Tensor, commit: list[int] | None, *, commit_tokens: int, attention: str,
-                        keep_logits: int | None) -> torch.Tensor:
+                        keep_logits: int | None, preview: bool = False) -> torch.Tensor:
         """A decode forward over slots [0, n): replayed as a static-shape step (CUDA graph) or run directly."""
         if self.static is not None:
             return self.static.forward(ids, commit, commit_tokens=commit_tokens, attention=attention,
-                                       keep_logits=keep_logits)
+                                       keep_logits=keep_logits, preview=preview)
         assert self.slots is not None
         rows = self.slots.rows(0, [lv.length for lv in self.decoding], ids.shape[1], commit, commit_tokens)
-        logits = self.model.forward_slots(ids, rows, attention=attention, keep_logits=keep_logits)
+        logits = self.model.forward_slots(ids, rows, attention=attention, keep_logits=keep_logits, preview=preview)
         assert logits is not None
         return logits
 
@@ -427,12 +448,22 @@ class Engine:
         start, rows_in_step = time.perf_counter(), list(self.decoding)
         n, opt = len(self.decoding), self.options
         generators = [lv.generator for lv in self.decoding]
-        tok, _ = pick_tokens(self.logits[:n, None], opt.temperature, opt.top_p, generators)
-        tokens = tok[:, 0].tolist()  # the step's one host sync
+        raw = self.logits[:n]
+        step_logits = raw[:, None] if self.counts is None else apply_penalties(raw[:, None], self.counts[:n], opt)
+        tok, _ = pick_tokens(step_logits, opt.temperature, opt.top_p, generators)
+        logprob = torch.log_softmax(raw, dim=-1).gather(1, tok)  # [n, 1] under the trunk: no penalty, no temperature
+        if self.counts is not None:
+            self.counts[:n].scatter_add_(1, tok, torch.ones_like(logprob))
+        # the step's one host sync; float64 holds every token id exactly
+        tokens, logprobs = torch.cat([tok, logprob], dim=1).double().T.tolist()
         done = []
-        for live, t in zip(self.decoding, tokens, strict=True):
+        for live, t, lp in zip(self.decoding, tokens, logprobs, strict=True):
+            t = int(t)
             live.steps += 1
             live.next_token = t
+            if t not in self.stops:
+                live.logprob += lp
+                live.scored += 1
             if self._emit(live, [t]):
                 done.append(live)
         self._release(done)
@@ -450,7 +481,11 @@ class Engine:
 
     def _diffusion_step(self) -> list[tuple[str, Generation]]:
         """One forward over all decoding rows: rows whose block finished last step commit it, the others take a
-        denoising step; the chosen tokens are filled in on the device, then read back once."""
+        denoising step; the chosen tokens are filled in on the device, then read back once.
+
+        A committing row's generated tokens are scored by the commit forward itself (shifted models: position t's
+        token under the logits of t - 1); a finished row of such a model commits its last block once more for
+        that, and leaves after it."""
         assert self.slots is not None and self.config.diffusion is not None
         d, opt = self.config.diffusion, self.options
         start, lives = time.perf_counter(), list(self.decoding)
@@ -467,12 +502,24 @@ class Engine:
             # how much of each fresh block may be filled is known on the host
             room = torch.tensor([min(bs, lives[i].max_new - len(lives[i].out)) for i in commit], dtype=torch.long,
                                 device=dev)
+            if self.shifted:  # the committed blocks' generated positions [tail, score_to)
+                scored = torch.tensor([[lives[i].tail, lives[i].score_to] for i in commit], dtype=torch.long,
+                                      device=dev)
         ids = torch.cat([block, torch.full_like(block, d.mask_token_id)], dim=1) if merge else block
-        logits = self._forward_decode(ids, commit, commit_tokens=bs, attention="block_causal", keep_logits=None)
+        logits = self._forward_decode(ids, commit, commit_tokens=bs, attention="block_causal", keep_logits=None,
+                                      preview=True)
         self.stats.forwards += 1
-        readback: list[list[int]] = []
+        row_logprob = torch.zeros(n, dtype=torch.float64, device=dev)  # this step's scores of committed blocks
         if commit:
-            if d.logits_shift:  # the next block's first position is predicted from this block's last
+            if d.logits_shift:
+                committed = block.index_select(0, commit_idx)  # [c, bs] the blocks as committed
+                # position t is scored by t - 1: the first by the saved logits of the last committed position
+                predict = torch.cat([self.logits.index_select(0, commit_idx)[:, None],
+                                     logits.index_select(0, commit_idx)[:, :bs - 1].float()], dim=1)
+                lp = torch.log_softmax(predict, dim=-1).gather(2, committed[..., None])[..., 0]  # [c, bs]
+                inside = (self._positions >= scored[:, :1]) & (self._positions < scored[:, 1:])
+                row_logprob.index_copy_(0, commit_idx, (lp * inside).sum(1).double())
+                # the next block's first position is predicted from this block's last
                 self.logits.index_copy_(0, commit_idx, logits.index_select(0, commit_idx)[:, bs - 1].float())
             block.index_fill_(0, commit_idx, d.mask_token_id)  # a fresh block of masks
             limit.index_copy_(0, commit_idx, room)
@@ -484,6 +531,8 @@ class Engine:
             step_logits = logits.float()
             if d.logits_shift:  # position t is predicted from t-1: the block's first from the last committed one
                 step_logits = torch.cat([self.logits[:n, None], step_logits[:, :-1]], dim=1)
+            if self.counts is not None:
+                step_logits = apply_penalties(step_logits, self.counts[:n], opt)
             step_logits[..., d.mask_token_id] = -math.inf  # never "predict" a mask
             tok, conf = pick_tokens(step_logits, opt.temperature, opt.top_p, [lv.generator for lv in lives], denoise)
             needed = (block == d.mask_token_id) & (self._positions < limit[:, None])
@@ -491,25 +540,41 @@ class Engine:
                 needed[commit_idx] = False
             chosen = select_block_positions(conf, needed, opt.threshold, opt.tokens_per_step)
             block.copy_(torch.where(chosen, tok, block))
+            if self.counts is not None:  # the response so far includes the block's filled positions
+                self.counts[:n].scatter_add_(1, torch.where(chosen, tok, 0), chosen.float())
             still = (block == d.mask_token_id) & (self._positions < limit[:, None])
-            readback = torch.cat([block, still.any(-1, keepdim=True).long()], dim=1).tolist()  # the one host sync
+            # the one host sync; float64 holds every token id exactly
+            readback = torch.cat([block.double(), still.any(-1, keepdim=True).double(), row_logprob[:, None]],
+                                 dim=1).tolist()
+        else:
+            readback = [[0.0] * (bs + 1) + [lp] for lp in row_logprob.tolist()]  # scores only (one sync)
         done: list[_Live] = []
         for i, live in enumerate(lives):
             live.forwards += 1
             if live.commit_next:
                 live.commit_next = False
                 live.length += bs
+                if self.shifted:
+                    live.logprob += readback[i][bs + 1]
+                    live.scored += live.score_to - live.tail
                 live.tail = 0
+                if live.finishing:
+                    done.append(live)
+                    continue
                 if not merge:
                     continue
             live.steps += 1
             if readback[i][bs]:  # masks left to fill
                 continue
             lim = min(bs, live.tail + live.max_new - len(live.out))
-            if self._emit(live, readback[i][live.tail:lim]):
+            before = len(live.out)
+            finished = self._emit(live, [int(t) for t in readback[i][live.tail:lim]])
+            live.score_to = live.tail + len(live.out) - before
+            if finished and not self.shifted:
                 done.append(live)
-            else:
+            else:  # commit it next step (a finished row of a shifted model: only to score it, then it leaves)
                 live.commit_next = True
+                live.finishing = finished
         self._release(done)
         self.stats.decode_rows += n
         self._take_time(lives, start)

@@ -367,7 +367,7 @@ def run_worker(spec: WorkerSpec, rank: int) -> int:
     from . import load_config, load_model
 
     torch.set_num_threads(max(1, spec.num_threads))
-    config = load_config(spec.source)
+    config = load_config(spec.source, spec.overrides)
     device = rank_device(spec.device, rank)
     model = load_model(spec.source, device=device, dtype=DTYPES[spec.dtype],
                        expert_range=expert_range(rank, spec.world, config.num_experts), overrides=spec.overrides)
@@ -436,7 +436,7 @@ class ExpertParallelReplica:
                  exchange: str = "auto", host: str = "127.0.0.1", overrides: dict | None = None) -> None:
         from . import load_config, load_model
 
-        config = load_config(source)
+        config = load_config(source, overrides)
         check_expert_parallel(config, world)
         self.source, self.world, self.launcher = str(source), world, launcher
         self.dtype, self.device, self.timeout_s, self.num_threads = dtype, device, timeout_s, num_threads

@@ -22,7 +22,7 @@ import torch
 from .clover import CloverModel
 from .engine import Engine, Generation, Request
 from .options import DecodeOptions
-from .sampling import sample_tokens, select_positions, token_distribution
+from .sampling import penalize, sample_tokens, select_positions, token_distribution
 
 __all__ = ["DecodeOptions", "Generation", "generate", "generate_nocache", "select_positions", "token_distribution"]
 
@@ -74,8 +74,11 @@ def generate_nocache(model: CloverModel, prompt: list[int], options: DecodeOptio
                      **overrides) -> Generation:
     """Plain reference for one prompt: every step recomputes the whole sequence from an empty state.
 
-    Same decisions as the engine (the per-sequence selection functions), none of its state carrying, batching or
-    chunking. Diffusion models need block-causal prompt attention here (one mask then covers prompt and blocks).
+    Same decisions as the engine (the per-sequence selection and penalty functions), none of its state carrying,
+    batching or chunking. A diffusion step of a `trunk` model is one block-causal forward over committed + block
+    (block-causal prompt attention needed: one mask then covers both); of a Clover-layout model, a causal forward
+    over the committed tokens and a preview of the block from its state. `mean_logprob` comes from one causal
+    forward over prompt + output at the end.
     """
     opt = _options(options, overrides)
     opt.check(model.config)
@@ -93,14 +96,16 @@ def generate_nocache(model: CloverModel, prompt: list[int], options: DecodeOptio
         logits, _ = model(torch.tensor([ids], device=model.device), None, attention=attention, window_tokens=window)
         return logits[0].float()
 
-    def pick(logits_TV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def pick(logits_TV: torch.Tensor, response: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if opt.penalized:
+            logits_TV = penalize(logits_TV, response, opt)
         probs = token_distribution(logits_TV.cpu(), opt.temperature, opt.top_p)
         return sample_tokens(probs, opt.temperature, generator)
 
     with torch.inference_mode():
-        if cfg.diffusion is None:
+        if not opt.diffusion(cfg):
             while not stopped:
-                tok, _ = pick(full_logits(list(prompt) + out, "causal")[-1:])
+                tok, _ = pick(full_logits(list(prompt) + out, "causal")[-1:], out)
                 steps += 1
                 if int(tok[0]) in stops:
                     stopped = "eos"
@@ -109,7 +114,8 @@ def generate_nocache(model: CloverModel, prompt: list[int], options: DecodeOptio
                     stopped = "length" if len(out) >= opt.max_new_tokens else ""
         else:
             d = cfg.diffusion
-            if d.prompt_attention != "block_causal":
+            assert d is not None
+            if not d.clover and d.prompt_attention != "block_causal":
                 raise ValueError("generate_nocache supports block_causal prompt attention only")
             bs, mask = d.block_size, d.mask_token_id
             n_full = (len(prompt) // bs) * bs
@@ -117,14 +123,30 @@ def generate_nocache(model: CloverModel, prompt: list[int], options: DecodeOptio
             tail = len(prompt) - n_full
             block = list(prompt[n_full:]) + [mask] * (bs - tail)
             while not stopped:
-                logits = full_logits(committed + block, "block_causal")
+                if d.clover:  # the causal trunk over what is committed, then a preview of the block from its state
+                    state, last = None, None
+                    if committed:
+                        clean, state = model(torch.tensor([committed], device=model.device), None,
+                                             attention="causal", window_tokens=window)
+                        last = clean[0, -1].float()
+                    logits, _ = model(torch.tensor([block], device=model.device), state, preview=True,
+                                      window_tokens=window)
+                    forwards += 1 + bool(committed)
+                    step = logits[0].float()
+                else:
+                    logits = full_logits(committed + block, "block_causal")
+                    last = logits[len(committed) - 1] if committed else None
+                    step = logits[len(committed):].clone()
                 steps += 1
-                step = logits[len(committed):].clone()
                 if d.logits_shift:  # position t is predicted from t-1: the first from the last committed one
-                    first = logits[len(committed) - 1] if committed else torch.zeros_like(step[0])
+                    first = last if last is not None else torch.zeros_like(step[0])
                     step = torch.cat([first[None], step[:-1]], dim=0)
+                decided = [t for t in block[tail:] if t != mask]  # the response so far includes this block's
+                if opt.penalized:
+                    step = penalize(step, out + decided, opt)
                 step[:, mask] = -math.inf
-                tok, conf = pick(step)
+                probs = token_distribution(step.cpu(), opt.temperature, opt.top_p)
+                tok, conf = sample_tokens(probs, opt.temperature, generator)
                 limit = min(bs, tail + opt.max_new_tokens - len(out))
                 needed = torch.tensor([t == mask for t in block]) & (torch.arange(bs) < limit)
                 for i in select_positions(conf, needed, opt.threshold, opt.tokens_per_step).nonzero().flatten():
@@ -141,6 +163,21 @@ def generate_nocache(model: CloverModel, prompt: list[int], options: DecodeOptio
                     stopped = "length" if len(out) >= opt.max_new_tokens else ""
                 committed += block
                 block, tail = [mask] * bs, 0
+        mean_logprob = trunk_mean_logprob(model, prompt, out, window) if _scores(opt, cfg) and out else None
     return Generation(tokens=out, forward_passes=forwards, denoising_steps=steps, prompt_tokens=len(prompt),
                       prefill_seconds=0.0, decode_seconds=0.0, windows=math.ceil(len(prompt) / window),
-                      stopped=stopped)
+                      stopped=stopped, mean_logprob=mean_logprob)
+
+
+def _scores(options: DecodeOptions, config) -> bool:
+    """Whether generations of this model and mode get a mean_logprob (the causal logits score the next token)."""
+    return not options.diffusion(config) or bool(config.diffusion.logits_shift)
+
+
+def trunk_mean_logprob(model: CloverModel, prompt: list[int], tokens: list[int], window: int | None = None) -> float:
+    """Mean log-probability of `tokens` after `prompt` under the model's causal trunk, in one forward."""
+    ids = torch.tensor([list(prompt) + list(tokens)], device=model.device)
+    with torch.inference_mode():
+        logits, _ = model(ids, None, attention="causal", window_tokens=window)
+    lp = torch.log_softmax(logits[0, len(prompt) - 1:-1].float(), dim=-1)
+    return float(lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).mean())

@@ -11,9 +11,9 @@ Notable choices:
   padding changes no sequence. Which rows commit is a device mask, and attention reads the whole ring through
   flex's block mask built on the device (slots.SlotRows.static): nothing in the captured region reads back to
   the host.
-- One graph per (bucket, tokens per row, tokens committed, attention, logits kept), captured on first use after a
-  warm-up run with no row committing (which compiles flex_attention and leaves every sequence as it was), all
-  sharing one memory pool.
+- One graph per (bucket, tokens per row, tokens committed, attention, logits kept, preview), captured on first use
+  after a warm-up run with no row committing (which compiles flex_attention and leaves every sequence as it was),
+  all sharing one memory pool.
 - `capture=False` runs the very same static-shape function eagerly: on a CPU that is what tests compare with the
   engine's ordinary step.
 - CUDA graphs need bf16 weights (the fp32 grouped expert GEMM on CUDA takes a per-expert loop that reads the
@@ -70,10 +70,10 @@ class StaticDecode:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def forward(self, ids: torch.Tensor, commit: list[int] | None, *, commit_tokens: int, attention: str,
-                keep_logits: int | None) -> torch.Tensor:
+                keep_logits: int | None, preview: bool = False) -> torch.Tensor:
         """Like `model.forward_slots` over slots [0, n) (n = ids rows); commit: the committing rows (None: all)."""
         n, T = ids.shape
-        key = (bucket(n, self.slots.num_slots), T, commit_tokens, attention, keep_logits)
+        key = (bucket(n, self.slots.num_slots), T, commit_tokens, attention, keep_logits, preview)
         step = self.steps.get(key) or self._build(*key)
         step.ids[:n].copy_(ids)
         step.ids[n:].fill_(self.pad_token)
@@ -86,20 +86,21 @@ class StaticDecode:
         assert out is not None
         return out[:n]
 
-    def _build(self, rows: int, T: int, commit_tokens: int, attention: str, keep_logits: int | None) -> _Step:
+    def _build(self, rows: int, T: int, commit_tokens: int, attention: str, keep_logits: int | None,
+               preview: bool) -> _Step:
         dev = self.slots.positions.device
         ids = torch.full((rows, T), self.pad_token, dtype=torch.long, device=dev)
         commit = torch.zeros(rows, dtype=torch.bool, device=dev)
 
         def forward() -> torch.Tensor | None:
             view = SlotRows.static(self.slots, 0, rows, T, commit, commit_tokens)
-            return self.model.forward_slots(ids, view, attention=attention, keep_logits=keep_logits)
+            return self.model.forward_slots(ids, view, attention=attention, keep_logits=keep_logits, preview=preview)
 
         step = _Step(ids, commit, forward)
         if self.capture:
             step = self._capture(step)
             log.info("captured a CUDA graph of the decode step: %d rows x %d tokens (%s)", rows, T, attention)
-        self.steps[(rows, T, commit_tokens, attention, keep_logits)] = step
+        self.steps[(rows, T, commit_tokens, attention, keep_logits, preview)] = step
         return step
 
     def _capture(self, step: _Step) -> _Step:

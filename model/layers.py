@@ -6,7 +6,10 @@ Dk/Dv GDN head dims, C conv channels (2*Hk*Dk + Hv*Dv).
 Every layer takes its slice of the state and returns the updated slice; modules hold weights only. The slice is
 either the functional state (state.py: new tensors each forward) or a view of the engine's slots (slots.py: written
 in place); both offer the same two methods, so the layers' maths exists once.
-Module and parameter names follow the Qwen3.5-MoE checkpoints, so the key mapping (weights.py) stays a table.
+Module and parameter names follow the Qwen3.5-MoE checkpoints, so the key mapping (weights.py) stays a table;
+a Clover checkpoint's four block-diffusion GDN families are bare parameters of GatedDeltaNet under their own names.
+A forward with a `PreviewPlan` (Clover's denoising step, preview.py) sends the GDN layers and the MoE the plan, and
+the attention layers a mask that is bidirectional inside the previewed block.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
+from . import ops, preview
 from .config import CloverConfig
 from .moe import SparseMoE
+from .preview import PreviewPlan
 from .state import AttentionLayerState, GDNLayerState
 
 
@@ -45,6 +49,19 @@ class GatedRMSNorm(nn.Module):
         return ops.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
+@dataclass
+class Projected:
+    """A GDN layer's input projections of some tokens: what both its causal and its preview operator read."""
+
+    qkv: torch.Tensor  # [B, T, C] before the short conv
+    z: torch.Tensor  # [B, T, Hv, Dv] output gate
+    beta: torch.Tensor  # [B, T, Hv]
+    g: torch.Tensor  # [B, T, Hv] fp32 log decay
+
+    def slice(self, start: int, end: int) -> Projected:
+        return Projected(self.qkv[:, start:end], self.z[:, start:end], self.beta[:, start:end], self.g[:, start:end])
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
@@ -63,36 +80,87 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.Hv))
         self.norm = GatedRMSNorm(self.Dv, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, D, bias=False)
+        # Clover's block-diffusion GDN tensors (the preview operator, preview.py): bare parameters, as the
+        # checkpoint names them; the three bd_softmax vectors per value head (the record's reading of their shape)
+        self.clover = config.diffusion is not None and config.diffusion.clover
+        if self.clover:
+            self.conv_right_weight = nn.Parameter(torch.empty(conv_dim, config.linear_conv_kernel_dim - 1))  # [C, R]
+            self.bd_softmax_logit_scale = nn.Parameter(torch.empty(self.Hv))
+            self.bd_softmax_history_bias = nn.Parameter(torch.empty(self.Hv))
+            self.bd_softmax_history_c = nn.Parameter(torch.empty(self.Hv))
 
-    def forward(self, x_BTD: torch.Tensor, state: GDNLayerState) -> tuple[torch.Tensor, GDNLayerState]:
+    def forward(self, x_BTD: torch.Tensor, state: GDNLayerState,
+                plan: PreviewPlan | None = None) -> tuple[torch.Tensor, GDNLayerState]:
+        """The layer over x from `state`. Without a plan every token is causal (the committing rows keep the state
+        after `state.commit_tokens` of them). With a preview plan (Clover's operator, preview.py): the committing
+        rows' first segment is causal, every other token previews from the clean state after what precedes it."""
         T = x_BTD.shape[1]
-        split = state.commit_tokens
-        if split is not None and split < T:  # keep the state after the first `split` tokens: two kernel calls
-            out1, mid = self._mix(x_BTD[:, :split], state.recurrent, state.conv)
-            out2, _ = self._mix(x_BTD[:, split:], *mid)
-            return torch.cat([out1, out2], dim=1), state.advanced(*mid)
-        out, (recurrent, conv_tail) = self._mix(x_BTD, state.recurrent, state.conv)
-        return out, state.advanced(recurrent, conv_tail)
+        p = self._project(x_BTD)
+        if plan is None:
+            split = state.commit_tokens
+            if split is not None and split < T:  # keep the state after the first `split` tokens: two kernel calls
+                o1, (recurrent, conv) = self._causal(p.slice(0, split), state.recurrent, state.conv)
+                o2, _ = self._causal(p.slice(split, T), recurrent, conv)
+                o = torch.cat([o1, o2], dim=1)
+            else:
+                o, (recurrent, conv) = self._causal(p, state.recurrent, state.conv)
+            return self._out(o, p.z, x_BTD.dtype), state.advanced(recurrent, conv)
+        first = p.slice(0, plan.split)
+        if plan.any_commit:
+            causal, (recurrent, conv) = self._causal(first, state.recurrent, state.conv)
+        if not plan.all_commit:
+            previewed = self._preview(first, state.recurrent, state.conv)
+        if plan.all_commit:
+            o = causal
+        elif not plan.any_commit:
+            o = previewed
+        else:
+            assert plan.commits is not None
+            o = torch.where(plan.commits[:, None, None, None], causal, previewed)
+        if plan.split < T:  # the next block of the committing rows, from the state after their commit
+            o = torch.cat([o, self._preview(p.slice(plan.split, T), recurrent, conv)], dim=1)
+        out = self._out(o, p.z, x_BTD.dtype)
+        return out, (state.advanced(recurrent, conv) if plan.any_commit else state)
 
-    def _mix(self, x_BTD: torch.Tensor, recurrent: torch.Tensor,
-             conv: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """The layer over x from (recurrent, conv tail): (output [B, T, D], (recurrent, conv tail) after x)."""
+    def _project(self, x_BTD: torch.Tensor) -> Projected:
         B, T, _ = x_BTD.shape
-        mixed, conv_tail = ops.short_conv(ops.linear(x_BTD, self.in_proj_qkv.weight),
-                                          self.conv1d.weight[:, 0], conv)  # [B, T, C]
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        # L2 norm in fp32; each key head serves Hv/Hk consecutive value heads (grouped inside the kernel).
-        q = ops.l2norm(q.reshape(B, T, self.Hk, self.Dk).float())
-        k = ops.l2norm(k.reshape(B, T, self.Hk, self.Dk).float())
-        v = v.reshape(B, T, self.Hv, self.Dv)
-        beta = torch.sigmoid(ops.linear(x_BTD, self.in_proj_b.weight))  # [B, T, Hv]
         # fp32: exp(A_log) and softplus overflow or lose the decay's precision in bf16.
         g = -self.A_log.float().exp() * F.softplus(ops.linear(x_BTD, self.in_proj_a.weight).float()
                                                    + self.dt_bias.float())
-        o, recurrent = ops.gated_delta_rule(q, k, v, g, beta, recurrent)  # [B, T, Hv, Dv]
-        z = ops.linear(x_BTD, self.in_proj_z.weight).reshape(B, T, self.Hv, self.Dv)
-        o = self.norm(o.to(x_BTD.dtype), z).reshape(B, T, self.value_dim)
-        return ops.linear(o, self.out_proj.weight), (recurrent, conv_tail)
+        return Projected(qkv=ops.linear(x_BTD, self.in_proj_qkv.weight),
+                         z=ops.linear(x_BTD, self.in_proj_z.weight).reshape(B, T, self.Hv, self.Dv),
+                         beta=torch.sigmoid(ops.linear(x_BTD, self.in_proj_b.weight)), g=g)
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k [B, T, Hk, Dk] (L2-normalised in fp32) and v [B, T, Hv, Dv] from the conv output."""
+        B, T, _ = mixed.shape
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = ops.l2norm(q.reshape(B, T, self.Hk, self.Dk).float())
+        k = ops.l2norm(k.reshape(B, T, self.Hk, self.Dk).float())
+        return q, k, v.reshape(B, T, self.Hv, self.Dv)
+
+    def _causal(self, p: Projected, recurrent: torch.Tensor,
+                conv: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The causal trunk: (o [B, T, Hv, Dv] fp32, (recurrent, conv tail) after these tokens)."""
+        mixed, conv_tail = ops.short_conv(p.qkv, self.conv1d.weight[:, 0], conv)  # [B, T, C]
+        q, k, v = self._heads(mixed)  # each key head serves Hv/Hk consecutive value heads (inside the kernel)
+        o, recurrent = ops.gated_delta_rule(q, k, v, p.g, p.beta, recurrent)  # [B, T, Hv, Dv]
+        return o, (recurrent, conv_tail)
+
+    def _preview(self, p: Projected, recurrent: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
+        """Clover's preview of one block against the clean (recurrent, conv tail), which it never writes."""
+        mixed = preview.preview_conv(p.qkv, self.conv1d.weight[:, 0], self.conv_right_weight, conv)
+        q, k, v = self._heads(mixed)
+        groups = self.Hv // self.Hk
+        if groups > 1:
+            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+        return preview.history_mixer(q, k, v, recurrent, self.bd_softmax_logit_scale, self.bd_softmax_history_bias,
+                                     self.bd_softmax_history_c)
+
+    def _out(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        B, T = o.shape[:2]
+        o = self.norm(o.to(dtype), z).reshape(B, T, self.value_dim)
+        return ops.linear(o, self.out_proj.weight)
 
 
 @dataclass
@@ -105,6 +173,7 @@ class AttentionContext:
     visible_until: torch.Tensor  # [B, T] last key position each query may see (causal: itself; block: block end)
     window: int  # a query at p sees keys at positions >= p - window + 1
     all_visible: bool = False  # known on the host: every key is visible to every query (no mask needed)
+    preview: PreviewPlan | None = None  # Clover's preview operator for some tokens (preview.py); None: the trunk
     _masks: dict = field(default_factory=dict)
 
     def mask(self, key_pos: torch.Tensor) -> ops.AttentionMask:
@@ -159,8 +228,8 @@ class DecoderLayer(nn.Module):
                 ctx: AttentionContext) -> tuple[torch.Tensor, GDNLayerState | AttentionLayerState]:
         x = self.input_layernorm(h)
         if self.kind == "linear_attention":
-            mixed, state = self.linear_attn(x, state)  # type: ignore[arg-type]
+            mixed, state = self.linear_attn(x, state, ctx.preview)  # type: ignore[arg-type]
         else:
             mixed, state = self.self_attn(x, state, ctx)  # type: ignore[arg-type]
         h = h + mixed
-        return h + self.mlp(self.post_attention_layernorm(h)), state
+        return h + self.mlp(self.post_attention_layernorm(h), ctx.preview), state

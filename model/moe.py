@@ -2,7 +2,8 @@
 
     route -> dispatch -> experts -> combine -> + shared expert
 
-- route: router logits -> softmax (fp32) -> top-k -> renormalise (norm_topk_prob) -> weights in the model dtype.
+- route: router logits -> softmax (fp32) -> top-k -> renormalise (norm_topk_prob) -> weights in the model dtype;
+  in a Clover preview, top-k among the block's expert coreset (preview.coreset_allowed).
 - dispatch: the N*k (token, expert) pairs sorted by expert, with int32 end offsets per expert.
 - experts: two grouped GEMMs over the stacked expert weights (gate_up [E, 2I, D], down [E, D, I]), SiLU-gated.
 - combine: each pair's output scaled by its routing weight and summed back into its token.
@@ -24,6 +25,7 @@ from torch import nn
 
 from . import ops
 from .config import CloverConfig
+from .preview import PreviewPlan, coreset_allowed
 
 
 @dataclass
@@ -32,10 +34,17 @@ class Routing:
     experts: torch.Tensor  # [N, k] int64 global expert ids
 
 
-def route(x_ND: torch.Tensor, router_ED: torch.Tensor, top_k: int, normalize: bool) -> Routing:
-    logits = ops.linear(x_ND, router_ED)
-    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-    top_w, top_e = torch.topk(probs, top_k, dim=-1)
+def router_probs(x_ND: torch.Tensor, router_ED: torch.Tensor) -> torch.Tensor:
+    """[N, E] fp32 router probabilities."""
+    return F.softmax(ops.linear(x_ND, router_ED), dim=-1, dtype=torch.float32)
+
+
+def route(x_ND: torch.Tensor, router_ED: torch.Tensor, top_k: int, normalize: bool,
+          allowed_NE: torch.Tensor | None = None, probs_NE: torch.Tensor | None = None) -> Routing:
+    """Top-k routing; `allowed_NE` restricts each token to some experts (at least top_k of them)."""
+    probs = router_probs(x_ND, router_ED) if probs_NE is None else probs_NE
+    scores = probs if allowed_NE is None else probs.masked_fill(~allowed_NE, -1.0)
+    top_w, top_e = torch.topk(scores, top_k, dim=-1)
     if normalize:
         top_w = top_w / top_w.sum(-1, keepdim=True)
     return Routing(top_w.to(x_ND.dtype), top_e)
@@ -150,9 +159,14 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.dispatcher: ExpertDispatcher = LocalDispatcher()
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, plan: PreviewPlan | None = None) -> torch.Tensor:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        routing = route(x_ND, self.gate.weight, self.top_k, self.normalize)
+        if plan is not None and plan.coreset_size is not None:  # a Clover preview restricted to block coresets
+            probs = router_probs(x_ND, self.gate.weight)
+            allowed = coreset_allowed(probs.view(*x_BTD.shape[:2], -1), plan).reshape(probs.shape)
+            routing = route(x_ND, self.gate.weight, self.top_k, self.normalize, allowed, probs)
+        else:
+            routing = route(x_ND, self.gate.weight, self.top_k, self.normalize)
         routed = self.dispatcher(x_ND, routing, self.experts)
         shared = self.shared_expert(x_ND) * torch.sigmoid(ops.linear(x_ND, self.shared_expert_gate.weight))
         return (routed + shared).reshape(x_BTD.shape)

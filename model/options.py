@@ -4,7 +4,11 @@ Notable choices:
 - Each field carries its help text and bounds in its metadata. `__post_init__` enforces them, so a bad value fails
   where the options are written ("threshold must be <= 1, got 1.5"), and jobs/spec.py builds the job schema's
   `decode` section from the same fields (no second copy of names, defaults, bounds or help).
-- What depends on the model (the vocabulary, the block size) is checked by `check(config)`, once the model is known.
+- What depends on the model (the vocabulary, the block size, the decode mode) is checked by `check(config)`, once
+  the model is known.
+- Penalties (presence, frequency, repetition) count the response only, never the prompt, as Clover's vendor
+  decoder does (the public record, S4); they change the logits before tokens and confidences are taken, in both
+  modes (sampling.apply_penalties).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import CloverConfig
+
+MODES = ("auto", "diffusion", "autoregressive")
 
 
 def option(default: Any, help: str, **bounds: float) -> Any:
@@ -39,6 +45,16 @@ class DecodeOptions:
     window_tokens: int | None = option(None, "Override the model's attention window (tokens a full-attention "
                                              "layer looks back).", ge=1)
     prefill_chunk_tokens: int | None = option(None, "Override the tokens per prefill forward pass.", ge=1)
+    mode: typing.Literal["auto", "diffusion", "autoregressive"] = option(
+        "auto", "auto: block diffusion for a diffusion checkpoint, else autoregressive; diffusion; or "
+                "autoregressive (a diffusion checkpoint whose causal logits score the next token, such as Clover, "
+                "then runs its causal trunk one token at a time).")
+    presence_penalty: float = option(0.0, "Subtracted from the logit of every token already in the response (not "
+                                          "the prompt).")
+    frequency_penalty: float = option(0.0, "Subtracted from a token's logit once per time it is already in the "
+                                           "response.")
+    repetition_penalty: float = option(1.0, "Tokens already in the response: positive logits divided by it, "
+                                            "negative ones multiplied (1: off).", gt=0)
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -56,12 +72,28 @@ class DecodeOptions:
     def replace(self, **changes: Any) -> DecodeOptions:
         return dataclasses.replace(self, **changes)
 
+    def diffusion(self, config: CloverConfig) -> bool:
+        """Whether these options decode `config`'s model by block diffusion (else one token per step)."""
+        if self.mode == "auto":
+            return config.diffusion is not None
+        return self.mode == "diffusion"
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
     def check(self, config: CloverConfig) -> None:
-        """The checks that need the model: stop ids in its vocabulary, block size against k and the chunk."""
+        """The checks that need the model: stop ids in its vocabulary, the mode, block size against k and chunk."""
         for tid in self.stop_token_ids or ():
             if not 0 <= tid < config.vocab_size:
                 raise ValueError(f"stop_token_ids: {tid} is outside the vocabulary (size {config.vocab_size})")
-        if config.diffusion is not None:
+        if self.mode == "diffusion" and config.diffusion is None:
+            raise ValueError("mode 'diffusion' needs a block-diffusion model; this model is autoregressive")
+        if self.mode == "autoregressive" and config.diffusion is not None and not config.diffusion.logits_shift:
+            raise ValueError("mode 'autoregressive' needs a model whose causal logits score the next token; this "
+                             "diffusion model predicts each position from itself (logits_shift false)")
+        if self.diffusion(config):
+            assert config.diffusion is not None
             bs = config.diffusion.block_size
             if self.tokens_per_step is not None and self.tokens_per_step > bs:
                 raise ValueError(f"tokens_per_step must be in [1, block_size={bs}], got {self.tokens_per_step}")
@@ -69,7 +101,8 @@ class DecodeOptions:
                 raise ValueError(f"prefill_chunk_tokens {self.chunk(config)} must be a multiple of the block size "
                                  f"{bs} (block_size {bs} does not divide prefill_chunk_tokens)")
         elif self.tokens_per_step not in (None, 1):
-            raise ValueError("tokens_per_step applies to diffusion models; this model is autoregressive")
+            why = "this model is autoregressive" if config.diffusion is None else "mode is autoregressive"
+            raise ValueError(f"tokens_per_step applies to diffusion decoding; {why}")
 
     def chunk(self, config: CloverConfig) -> int:
         return self.prefill_chunk_tokens or config.prefill_chunk_tokens
@@ -93,6 +126,10 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     """`value` as the field's type (ints accepted for floats, lists for tuples), or a ValueError naming the field."""
     kinds = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(hint, types.UnionType) else [hint]
     kind = kinds[0]
+    if typing.get_origin(kind) is typing.Literal:
+        if value not in typing.get_args(kind):
+            raise ValueError(f"{name} must be one of {', '.join(map(str, typing.get_args(kind)))}, got {value!r}")
+        return value
     if typing.get_origin(kind) is tuple:
         if not isinstance(value, list | tuple) or not all(_is_int(v) for v in value):
             raise ValueError(f"{name} must be a list of integers, got {value!r}")

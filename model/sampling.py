@@ -5,11 +5,20 @@ that `generate_nocache` uses; `pick_tokens` and `select_block_positions` do the 
 at once, on the device, so a step needs no host round trip per sequence. Tests hold the two equal.
 
 Ties in confidence are broken towards the earlier position, in both, so fixed-k selection is deterministic.
+The threshold rule is LowConfidence's, the decoder Clover's authors ship (the public record, section 4; SGLang's
+`LowConfidence` is the reference semantics): fill every position whose confidence *exceeds* the threshold, and the
+single most confident one when none does.
+Penalties (`apply_penalties` on counts, `penalize` on a token list, its reference) count response tokens only.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from .options import DecodeOptions
 
 
 def token_distribution(logits_TV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -45,7 +54,7 @@ def select_positions(confidence_T: torch.Tensor, candidates_T: torch.Tensor, thr
     if tokens_per_step is not None:
         k = min(tokens_per_step, n)
     else:
-        k = max(1, int(((conf >= threshold) & candidates_T).sum()))
+        k = max(1, int(((conf > threshold) & candidates_T).sum()))
     chosen = torch.zeros_like(candidates_T)
     chosen[torch.sort(conf, descending=True, stable=True).indices[:k]] = True
     return chosen & candidates_T
@@ -80,8 +89,37 @@ def select_block_positions(confidence_NT: torch.Tensor, needed_NT: torch.Tensor,
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(conf.shape[-1], device=conf.device)
                                                 .expand_as(order))
         return needed_NT & (rank < tokens_per_step)
-    chosen = needed_NT & (conf >= threshold)
+    chosen = needed_NT & (conf > threshold)
     # top-1 fallback where nothing passes: argmax gives the first of equal maxima, as the stable sort does
     fallback = needed_NT.any(-1) & ~chosen.any(-1)
     best = torch.zeros_like(chosen).scatter_(-1, conf.argmax(-1, keepdim=True), fallback[:, None])
     return chosen | best
+
+
+def apply_penalties(logits_NTV: torch.Tensor, counts_NV: torch.Tensor, options: DecodeOptions) -> torch.Tensor:
+    """Logits after the response-only penalties, for every row at once (counts: each row's response tokens).
+
+    In vLLM's order: repetition first (CTRL / transformers: where count > 0, a positive logit divided by r, a
+    negative one multiplied by r), then frequency (minus f * count) and presence (minus p where count > 0).
+    A new tensor (fp32)."""
+    counts = counts_NV[:, None, :]  # [N, 1, V]
+    seen = counts > 0
+    out = logits_NTV.float()
+    if options.repetition_penalty != 1:
+        r = options.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    return out - options.frequency_penalty * counts - options.presence_penalty * seen.float()
+
+
+def penalize(logits_TV: torch.Tensor, response: list[int], options: DecodeOptions) -> torch.Tensor:
+    """`apply_penalties` for one sequence from its response token list, token by token: the reference."""
+    out = logits_TV.float().clone()
+    counts: dict[int, int] = {}
+    for t in response:
+        counts[t] = counts.get(t, 0) + 1
+    for t, c in counts.items():
+        if options.repetition_penalty != 1:
+            col = out[:, t]
+            out[:, t] = torch.where(col > 0, col / options.repetition_penalty, col * options.repetition_penalty)
+        out[:, t] -= options.frequency_penalty * c + options.presence_penalty
+    return out

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import CloverConfig
+from .preview import PreviewPlan
 
 
 @dataclass(frozen=True)
@@ -186,17 +187,39 @@ class SlotRows:
     def positions(self) -> torch.Tensor:
         return self.state.positions[self.start:self.end]  # [B] view
 
-    def all_visible(self, attention: str, block_size: int) -> bool:
+    def all_visible(self, attention: str, block_size: int, plan: PreviewPlan | None = None) -> bool:
         """Whether every query of this forward sees every key it reads, known from the host lengths alone: rows of
         one length L, nothing wrapped or outside the window (L + T <= ring and window), and the new tokens either
-        one token (causal) or one whole aligned block (block-causal sees its block). Attention then needs no mask.
+        one token (causal), one whole aligned block (block-causal sees its block), or one previewed block that no
+        row commits (Clover's preview sees its whole block). Attention then needs no mask.
         """
         if self.lengths is None:
             return False
         L, T = self.lengths[0], self.tokens
         if any(n != L for n in self.lengths) or L + T > min(self.state.capacity, self.window):
             return False
+        if plan is not None:
+            return not plan.any_commit and plan.split == T
         return T == 1 or (attention == "block_causal" and T == block_size and L % block_size == 0)
+
+    def preview_plan(self, coreset_size: int | None) -> PreviewPlan:
+        """Clover's preview over this forward: committing rows commit their first `commit_tokens` tokens causally,
+        every other token previews (preview.py)."""
+        dev = self.state.positions.device
+        B = self.end - self.start
+        if self.commit_mask is not None:  # static rows: which rows commit is only known on the device
+            return PreviewPlan(self.commit_tokens, self.tokens, self.commit_mask, any_commit=True, all_commit=False,
+                               coreset_size=coreset_size)
+        if not self.any_commit:
+            return PreviewPlan(self.tokens, self.tokens, None, any_commit=False, all_commit=False,
+                               coreset_size=coreset_size)
+        if self.all_commit:
+            commits = torch.ones(B, dtype=torch.bool, device=dev)
+        else:
+            assert self.commit_local is not None
+            commits = torch.zeros(B, dtype=torch.bool, device=dev).index_fill_(0, self.commit_local, True)
+        return PreviewPlan(self.commit_tokens, self.tokens, commits, any_commit=True, all_commit=self.all_commit,
+                           coreset_size=coreset_size)
 
     def write_key_positions(self, q_pos_BT: torch.Tensor) -> None:
         """Record the new tokens' positions in the ring (shared by every attention layer)."""

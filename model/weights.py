@@ -37,6 +37,12 @@ PREFIXES = ("model.language_model.", "model.")
 PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # per-expert part -> (stacked parameter, which half of the gate_up rows or None)
 PER_EXPERT_TARGET = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
+# Clover's block-diffusion GDN tensors (bare parameters of linear_attn): their shapes are not public. Each has the
+# layout our operator reads, plus the other storage it may plausibly have that holds the same values.
+BLOCK_DIFFUSION = re.compile(r"\.linear_attn\.(conv_right_weight|bd_softmax_logit_scale|bd_softmax_history_bias|"
+                             r"bd_softmax_history_c)$")
+# conv_right_weight [C, R] (cortiq binds it so); stored like conv1d.weight it would be [C, 1, R]
+ALSO_ACCEPTED = {"conv_right_weight": lambda shape: [shape[0], 1, *shape[1:]]}
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,47 @@ def index_checkpoint(path: Path) -> dict[str, list[Source]]:
     return sources
 
 
+@dataclass(frozen=True)
+class Inventory:
+    """What a checkpoint folder holds, from the safetensors headers (for `model inspect`)."""
+
+    files: int
+    tensors: int
+    prefixes: tuple[str, ...]  # name prefixes found ("model.language_model.", "model.")
+    skipped: dict[str, int]  # ignored families ("mtp.*", "model.visual.*") -> tensors skipped
+    experts: str  # "packed", "per expert" or "none"
+    block_diffusion: dict[str, int]  # Clover's block-diffusion GDN families -> layers holding them
+
+
+def checkpoint_inventory(path: Path) -> Inventory:
+    files = _checkpoint_files(path)
+    skipped: dict[str, int] = {}
+    prefixes: set[str] = set()
+    families: dict[str, int] = {}
+    tensors, packed, per_expert = 0, False, False
+    for file in files:
+        with _open_shard(file) as f:
+            for key in f.keys():
+                tensors += 1
+                rule = next((p for p in IGNORED if p.match(key)), None)
+                if rule is not None:
+                    label = "mtp.*" if "mtp" in rule.pattern else "model.visual.*"
+                    skipped[label] = skipped.get(label, 0) + 1
+                    continue
+                prefix = next((p for p in PREFIXES if key.startswith(p)), None)
+                if prefix:
+                    prefixes.add(prefix)
+                name = _our_name(key) or key
+                packed |= name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+                per_expert |= bool(PER_EXPERT.match(name))
+                family = BLOCK_DIFFUSION.search(name)
+                if family:
+                    families[family.group(1)] = families.get(family.group(1), 0) + 1
+    experts = "packed and per expert" if packed and per_expert else "packed" if packed else \
+        "per expert" if per_expert else "none"
+    return Inventory(len(files), tensors, tuple(sorted(prefixes)), skipped, experts, families)
+
+
 def _open_shard(file: Path):
     try:
         return safe_open(str(file), framework="pt")
@@ -141,7 +188,14 @@ def _plan(name: str, srcs: list[Source], expected: torch.Size, experts: Experts 
             lo, n = experts.first_expert, experts.num_local
             return lambda: reader.handle(src.file).get_slice(src.key)[lo: lo + n]
         if shape != list(expected):
-            problems.append(f"{src.key}: shape {shape}, expected {list(expected)}")
+            family = BLOCK_DIFFUSION.search(name)
+            also = ALSO_ACCEPTED.get(family.group(1)) if family else None
+            if also is not None and shape == also(list(expected)):
+                return lambda: reader.handle(src.file).get_tensor(src.key).reshape(expected)
+            hint = ("; the preview operator reads these per value head as the public record's reading has them: "
+                    "a different shape means its formula must come from the authors' code (clover-batch model "
+                    "parity)") if family else ""
+            problems.append(f"{src.key}: shape {shape}, expected {list(expected)}{hint}")
             return None
         return lambda: reader.handle(src.file).get_tensor(src.key)
     lo, n = experts.first_expert, experts.num_local
@@ -221,6 +275,9 @@ def load_checkpoint_weights(model: CloverModel, path: Path, *, dtype: torch.dtyp
 
 
 INIT_STD = 0.02  # the matrices' init scale (the reference's initializer_range)
+# Our starting values of the history-slot mixer's vectors (real checkpoints bring their own): unit q, k give
+# logits in [-4, 4]; the history slot starts with e^2 times one block row's weight; its read at full scale.
+BD_SOFTMAX_INIT = {"bd_softmax_logit_scale": 4.0, "bd_softmax_history_bias": 2.0, "bd_softmax_history_c": 1.0}
 
 
 def init_random_weights(model: CloverModel, *, seed: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -234,6 +291,8 @@ def init_random_weights(model: CloverModel, *, seed: int, dtype: torch.dtype, de
     def draw(name: str, shape: torch.Size) -> torch.Tensor:
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         leaf = name.rsplit(".", 1)[-1]
+        if leaf in BD_SOFTMAX_INIT:
+            return torch.full(shape, BD_SOFTMAX_INIT[leaf])
         if name.endswith("linear_attn.norm.weight") or leaf == "dt_bias":
             return torch.ones(shape)
         if name.endswith("norm.weight"):
@@ -263,7 +322,9 @@ def init_random_weights_on_device(model: CloverModel, *, seed: int, dtype: torch
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         t = torch.empty(p.shape, device=device, dtype=torch.float32 if leaf == "A_log" else dtype)
-        if name.endswith("linear_attn.norm.weight") or leaf == "dt_bias":
+        if leaf in BD_SOFTMAX_INIT:
+            t.fill_(BD_SOFTMAX_INIT[leaf])
+        elif name.endswith("linear_attn.norm.weight") or leaf == "dt_bias":
             t.fill_(1.0)
         elif name.endswith("norm.weight"):
             t.zero_()
@@ -370,5 +431,6 @@ def check_memory(config: CloverConfig, *, dtype: torch.dtype, device: torch.devi
             f"a larger device")
 
 
-def read_config(path: Path) -> CloverConfig:
-    return CloverConfig.from_file(path / "config.json")
+def read_config(path: Path, overrides: dict | None = None) -> CloverConfig:
+    """config.json (and generation_config.json) of a checkpoint folder; overrides: diffusion settings."""
+    return CloverConfig.from_file(path / "config.json", overrides=overrides)

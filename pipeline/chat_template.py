@@ -237,10 +237,13 @@ class ChatTemplate:
             raise ChatTemplateError(f"{origin}: chat_template is not a valid jinja template: {e}") from None
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> str:
-        """The template's text for `messages`, with the variables transformers passes (documents unset)."""
+               tools: list[dict[str, Any]] | None = None, enable_thinking: bool | None = None) -> str:
+        """The template's text for `messages`, with the variables transformers passes (documents unset);
+        `enable_thinking`, when given, as `apply_chat_template(..., enable_thinking=...)` passes it."""
         variables = {**self.special_tokens, "messages": messages, "tools": tools, "documents": None,
                      "add_generation_prompt": add_generation_prompt}
+        if enable_thinking is not None:
+            variables["enable_thinking"] = enable_thinking
         token = _deadline.set(time.monotonic() + RENDER_SECONDS)
         try:
             out, size = [], 0

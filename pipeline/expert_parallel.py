@@ -89,14 +89,16 @@ class RayLauncher:
 
 def load_replica(source: str, *, expert_parallel: int, dtype: str = "float32", device: str = "cpu",
                  num_threads: int = 1, num_cpus_per_rank: float = 1.0, num_gpus_per_rank: float = 0.0,
-                 timeout_s: float = 60.0, max_restarts: int = 2) -> ExpertParallelReplica:
-    """Rank 0 (this process, a Ray actor) of a replica spread over `expert_parallel` ranks."""
+                 timeout_s: float = 60.0, max_restarts: int = 2,
+                 overrides: dict | None = None) -> ExpertParallelReplica:
+    """Rank 0 (this process, a Ray actor) of a replica spread over `expert_parallel` ranks; overrides: the job's
+    model settings (load_config)."""
     launcher = RayLauncher(expert_parallel, num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank)
     host = ray.util.get_node_ip_address()
     try:
         return ExpertParallelReplica(source, expert_parallel, launcher, dtype=dtype, device=device,
                                      timeout_s=timeout_s, num_threads=num_threads, max_restarts=max_restarts,
-                                     host=host)
+                                     host=host, overrides=overrides)
     except Exception:
         launcher.close()
         raise

@@ -42,6 +42,21 @@ def extraction_instruction(instruction: str, fields: list[FieldRule]) -> str:
     return "\n".join(lines)
 
 
+_THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+
+
+def strip_thinking(text: str) -> str:
+    """The answer without the model's reasoning: `<think>...</think>` blocks removed; text before a lone
+    `</think>` (a template that opened the block in the prompt) and after a lone `<think>` (reasoning cut off by
+    max_new_tokens: no answer) dropped."""
+    text = _THINK.sub("", text)
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    if "<think>" in text:
+        text = text.split("<think>", 1)[0]
+    return text.strip()
+
+
 def _first_json_object(text: str) -> Any:
     text = re.sub(r"```(?:json)?", "", text)
     decoder = json.JSONDecoder()

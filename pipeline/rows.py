@@ -42,6 +42,7 @@ OUTPUT_SCHEMA = pa.schema(
         ("output_json", pa.string()),  # extract: the checked JSON object as text
         ("input_tokens", pa.int64()),
         ("output_tokens", pa.int64()),
+        ("mean_logprob", pa.float64()),  # mean log-probability of the output tokens under the model's causal trunk
         ("windows", pa.int32()),  # attention windows the prompt spanned
         ("forward_passes", pa.int64()),
         ("denoising_steps", pa.int64()),
@@ -73,6 +74,7 @@ STATS_SCHEMA = pa.schema(
         ("status", pa.string()),
         ("input_tokens", pa.int64()),
         ("output_tokens", pa.int64()),
+        ("mean_logprob", pa.float64()),
         ("timings", TIMINGS_TYPE),
         ("decode_batch", pa.int32()),
         ("kernels", pa.string()),

@@ -24,7 +24,7 @@ from clover_batch.connectors.faults import document_fault, fault_point
 from clover_batch.connectors.fs import Location, read_bytes
 from clover_batch.connectors.sink import stage_replacement, write_part
 from clover_batch.pipeline.parse_process import parse_isolated
-from clover_batch.pipeline.postprocess import FieldRule, check_extraction, extraction_instruction
+from clover_batch.pipeline.postprocess import FieldRule, check_extraction, extraction_instruction, strip_thinking
 from clover_batch.pipeline.rows import (
     OUTPUT_SCHEMA,
     STATS_SCHEMA,
@@ -51,6 +51,8 @@ class ModelRef:
     storage_options: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | None = None
     expert_parallel: int = 1  # ranks one replica's experts are spread over (rank 0 is the infer actor)
+    overrides: dict[str, Any] = field(default_factory=dict)  # diffusion settings given by the job (load_config)
+    enable_thinking: bool = False  # passed to the chat template
 
     def local(self) -> str:
         return local_checkpoint(self.source, self.storage_options, self.cache_dir)
@@ -148,7 +150,7 @@ class TokenizeStage:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         if self._builder is None:
-            builder = PromptBuilder(self.model.local())
+            builder = PromptBuilder(self.model.local(), enable_thinking=self.model.enable_thinking)
             # Rendered here, outside the per-document guard: a template that fails is the checkpoint's problem and
             # fails the run (the driver checked it first), instead of writing a final error row for every document.
             builder.check(self.instruction)
@@ -207,10 +209,10 @@ class InferStage:
                 self.replica = load_replica(model.local(), expert_parallel=model.expert_parallel, dtype=model.dtype,
                                             device=device, num_threads=max(1, num_threads),
                                             num_gpus_per_rank=1.0 if device == "cuda" else 0.0,
-                                            max_restarts=EP_MAX_RESTARTS)
+                                            max_restarts=EP_MAX_RESTARTS, overrides=model.overrides)
                 self.model = self.replica.model
             else:
-                self.model = load_model(model.local(), device=device, dtype=dtype)
+                self.model = load_model(model.local(), device=device, dtype=dtype, overrides=model.overrides)
             return Engine(self.model, decode, max_slots=max_slots)
 
         # a dead worker rank of an expert-parallel replica: restart the workers, rerun what was in flight
@@ -287,6 +289,7 @@ class InferStage:
                     prompt_ids=None,
                     output_ids=list(gen.tokens),
                     output_tokens=len(gen.tokens),
+                    mean_logprob=gen.mean_logprob,
                     windows=gen.windows,
                     forward_passes=gen.forward_passes,
                     denoising_steps=gen.denoising_steps,
@@ -322,7 +325,7 @@ class PostprocessStage:
             if not _ok(row):
                 continue
             with guarded(row, "postprocess"), timed(row, "postprocess"):
-                row["output_text"] = self._builder.decode(row["output_ids"] or [])
+                row["output_text"] = strip_thinking(self._builder.decode(row["output_ids"] or []))
                 row["output_ids"] = None
                 if self.task.kind == "extract":
                     checked = check_extraction(row["output_text"], list(self.task.fields))

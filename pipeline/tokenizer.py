@@ -70,7 +70,8 @@ class PromptBuilder:
     through jinja, so its length cannot slow the render, and its text is encoded with special-token matching off.
     """
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, *, enable_thinking: bool = False):
+        self.enable_thinking = enable_thinking  # passed to the template (Qwen3.6-family templates think by default)
         self.tokenizer = load_tokenizer(source)
         self.template = load_chat_template(source) if os.path.isdir(source) else None
         self._scaffolds: dict[str, tuple[list[int], list[int]]] = {}
@@ -78,7 +79,8 @@ class PromptBuilder:
     def _render(self, content: str) -> str:
         if self.template is None:
             return PLAIN_TEMPLATE.format(content=content)
-        return self.template.render([{"role": "user", "content": content}], add_generation_prompt=True)
+        return self.template.render([{"role": "user", "content": content}], add_generation_prompt=True,
+                                    enable_thinking=self.enable_thinking)
 
     def _scaffold(self, content: str) -> tuple[list[int], list[int]]:
         """Token ids before and after the placeholder in the template's text for one user message `content`."""

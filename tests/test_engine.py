@@ -264,7 +264,8 @@ def test_engine_loop_builds_its_engine_on_its_own_thread_and_raises_a_build_erro
 @pytest.mark.parametrize("mode", ["threshold", "fixed-k3", "sampling", "logits-shift"])
 def test_merged_commits_equal_separate_commits(models, mode):
     """A finished block committed in the same forward as the next block's first denoising step gives exactly the
-    tokens of the separate commit, one forward fewer per committed block."""
+    tokens of the separate commit, one forward fewer per committed block (but the last: a shifted model commits
+    its last block once more, only to score it, which has no next block to merge with)."""
     if mode == "logits-shift":
         model = load_model("tiny")
         d = model.config.diffusion
@@ -283,7 +284,11 @@ def test_merged_commits_equal_separate_commits(models, mode):
         assert merged[key].tokens == gen.tokens, key
         assert merged[key].denoising_steps == gen.denoising_steps, key
         commits = gen.forward_passes - merged[key].forward_passes  # separate: prefill + steps + commits
-        assert commits == gen.forward_passes - gen.denoising_steps - _prefill_forwards(key, options)
+        scoring = int(model.config.diffusion.logits_shift)  # the last block's scoring commit, in both
+        assert commits + scoring == gen.forward_passes - gen.denoising_steps - _prefill_forwards(key, options)
+        assert (gen.mean_logprob is None) is not bool(scoring)
+        if scoring:
+            assert merged[key].mean_logprob == pytest.approx(gen.mean_logprob, abs=1e-5)
         commits_seen += commits
     assert commits_seen > 0
 

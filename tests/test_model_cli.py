@@ -16,7 +16,8 @@ runner = CliRunner()
 
 
 def invoke(*args: str):
-    return runner.invoke(app, list(args))
+    # a wide terminal: `model inspect`'s table (value and where it came from) would wrap its cells at 80 columns
+    return runner.invoke(app, list(args), env={"COLUMNS": "250"})
 
 
 @pytest.mark.parametrize("dtype,per_expert", [("float32", False), ("bfloat16", True)],
@@ -91,8 +92,9 @@ def test_inspect_published_preset():
     assert result.exit_code == 0, result.output
     out = " ".join(result.output.split())
     assert "diffusion (block size 32, mask token 248077" in out
-    assert "34.66B (34,660,610,688)" in out  # total
-    assert "3.45B (3,454,988,928)" in out  # active per token: 8 of 256 experts
+    # the Qwen3.6-35B-A3B trunk plus Clover's block-diffusion GDN tensors: 30 x (8192 x 3 + 3 x 32) = 740,160
+    assert "34.66B (34,661,350,848)" in out  # total
+    assert "3.46B (3,455,729,088)" in out  # active per token: 8 of 256 experts
     assert "40: 30 Gated DeltaNet, 10 full attention" in out
     assert "256 routed, top 8, width 512" in out
 
