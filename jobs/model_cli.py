@@ -133,7 +133,7 @@ def architecture_table(source: str) -> Table:
         kind_from = origin("diffusion.block_size", "diffusion.mask_token_id", "diffusion.logits_shift",
                            "diffusion.coreset_size")
     else:
-        kind, kind_from = "autoregressive", "no diffusion settings"
+        kind, kind_from = "autoregressive", "preset" if preset else "config.json (no block settings)"
     rows = [
         ("model", kind, kind_from),
         ("parameters", _count(total), "computed"),

@@ -62,16 +62,23 @@ def test_real_template_raise_exception_is_a_chat_template_error():
         ChatTemplate(text, "qwen.jinja").render([])
 
 
-def test_qwen35_prompt_ids_match_transformers_render(tmp_path):
+@pytest.mark.parametrize("thinking", [False, True], ids=["no-thinking", "thinking"])
+def test_qwen_family_prompt_ids_match_transformers_render(tmp_path, thinking):
+    """The Qwen3.5/3.6 family template thinks unless told not to: jobs render it with enable_thinking false (the
+    empty think block prefilled), or true when the job's model.enable_thinking says so, as transformers does."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     text = (FIXTURES / "qwen3.5-35b-a3b.jinja").read_text()
-    builder = PromptBuilder(str(_checkpoint(tmp_path / "ckpt", text, eos_token="<|im_end|>")))
+    folder = str(_checkpoint(tmp_path / "ckpt", text, eos_token="<|im_end|>"))
+    builder = PromptBuilder(folder, enable_thinking=thinking)
     document = "Rent is 100 EUR.\nNotice: 30 days."
     (rendered,), _ = render_jinja_template([[{"role": "user", "content": f"Summarize.\n\n{document}"}]],
-                                           chat_template=text, add_generation_prompt=True, eos_token="<|im_end|>")
-    assert rendered.endswith("<|im_start|>assistant\n<think>\n")
+                                           chat_template=text, add_generation_prompt=True, eos_token="<|im_end|>",
+                                           enable_thinking=thinking)
+    assert rendered.endswith("<|im_start|>assistant\n<think>\n" if thinking
+                             else "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert builder.build("Summarize.", document) == builder.encode(rendered, specials=True)
+    assert PromptBuilder(folder).enable_thinking is False  # the default of jobs and `generate`
 
 
 QWEN_STYLE = (

@@ -31,12 +31,17 @@ MODES = {
     "autoregressive": ("tiny-ar", DecodeOptions(max_new_tokens=13, **SMALL_WINDOW)),
     "sampling": ("tiny", DecodeOptions(max_new_tokens=11, threshold=0.5, temperature=0.9, top_p=0.95, seed=7,
                                        **SMALL_WINDOW)),
+    # Clover's layout: causal prefill and commits, the preview operator for denoising steps, shifted logits
+    "clover-k3": ("tiny-clover", DecodeOptions(max_new_tokens=21, tokens_per_step=3, **SMALL_WINDOW)),
+    "clover-penalties": ("tiny-clover", DecodeOptions(max_new_tokens=21, threshold=0.0025, repetition_penalty=1.3,
+                                                      frequency_penalty=0.4, presence_penalty=0.2, **SMALL_WINDOW)),
+    "clover-autoregressive": ("tiny-clover", DecodeOptions(max_new_tokens=13, mode="autoregressive", **SMALL_WINDOW)),
 }
 
 
 @pytest.fixture(scope="module")
 def models():
-    return {"tiny": load_model("tiny"), "tiny-ar": load_model("tiny-ar")}
+    return {"tiny": load_model("tiny"), "tiny-ar": load_model("tiny-ar"), "tiny-clover": load_model("tiny-clover")}
 
 
 def _alone(model, options, prompt):
@@ -86,12 +91,20 @@ def test_staggered_arrivals_equal_each_prompt_alone(models, mode):
     assert set(results) == set(PROMPTS)
 
 
-def test_engine_equals_the_nocache_reference_with_a_small_window(models):
-    _, options = MODES["fixed-k3"]
-    engine = Engine(models["tiny"], options, max_slots=3)
+@pytest.mark.parametrize("mode", ["fixed-k3", "clover-k3", "clover-penalties", "clover-autoregressive"])
+def test_engine_equals_the_nocache_reference_with_a_small_window(models, mode):
+    """Token for token, and for models whose causal logits score the next token, the mean log-probability under
+    the trunk (the engine's, from its commit forwards or decode logits; the reference's, one causal forward)."""
+    name, options = MODES[mode]
+    engine = Engine(models[name], options, max_slots=3)
     results = _run(engine, {0: ["long", "a", "c"], 3: ["d"]}, options)
     for key, gen in results.items():
-        assert gen.tokens == generate_nocache(models["tiny"], PROMPTS[key], options).tokens, key
+        ref = generate_nocache(models[name], PROMPTS[key], options)
+        assert gen.tokens == ref.tokens, key
+        if name == "tiny-clover":
+            assert gen.mean_logprob == pytest.approx(ref.mean_logprob, abs=2e-5), key
+        else:
+            assert gen.mean_logprob is None and ref.mean_logprob is None
 
 
 def test_more_requests_than_slots_reuse_slots_cleanly(models):
@@ -261,7 +274,8 @@ def test_engine_loop_builds_its_engine_on_its_own_thread_and_raises_a_build_erro
         EngineLoop(broken)
 
 
-@pytest.mark.parametrize("mode", ["threshold", "fixed-k3", "sampling", "logits-shift"])
+@pytest.mark.parametrize("mode", ["threshold", "fixed-k3", "sampling", "logits-shift", "clover-k3",
+                                  "clover-penalties"])
 def test_merged_commits_equal_separate_commits(models, mode):
     """A finished block committed in the same forward as the next block's first denoising step gives exactly the
     tokens of the separate commit, one forward fewer per committed block (but the last: a shifted model commits
@@ -299,8 +313,9 @@ def _prefill_forwards(key: str, options: DecodeOptions) -> int:
     return -(-whole // options.prefill_chunk_tokens)
 
 
-@pytest.mark.parametrize("mode,merge", [("fixed-k3", False), ("threshold", True), ("autoregressive", False)],
-                         ids=["diffusion", "diffusion-merged", "autoregressive"])
+@pytest.mark.parametrize("mode,merge", [("fixed-k3", False), ("threshold", True), ("autoregressive", False),
+                                        ("clover-k3", False), ("clover-penalties", True)],
+                         ids=["diffusion", "diffusion-merged", "autoregressive", "clover", "clover-merged"])
 def test_static_shape_decode_step_equals_the_ordinary_step(models, mode, merge):
     """The decode step a CUDA graph captures (rows padded to a power of two with the slots after them, commits as a
     device mask, the whole ring read through masks), run eagerly here: the same tokens as the ordinary step, also

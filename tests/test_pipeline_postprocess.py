@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from clover_batch.pipeline.postprocess import FieldRule, check_extraction, extraction_instruction
+from clover_batch.pipeline.postprocess import FieldRule, check_extraction, extraction_instruction, strip_thinking
 
 FIELDS = [
     FieldRule("title", "string", "the title"),
@@ -71,3 +71,21 @@ def test_an_unexpected_failure_marks_only_that_document():
     assert rows[0]["status"] == "internal_error" and rows[0]["error"] == "tokenize: TypeError: boom"
     assert rows[0]["text"] is None  # payload dropped like any failed row
     assert rows[1]["status"] == "ok" and rows[1]["input_tokens"] == 1
+
+
+@pytest.mark.parametrize("answer,expected", [
+    ("<think>\nthe total is 5\n</think>\n\n{\"total\": 5}", '{"total": 5}'),
+    ("<think>\n\n</think>\n\nA lease.", "A lease."),
+    ("reasoning the template opened\n</think>\nA lease.", "A lease."),  # <think> was in the prompt
+    ("A lease. <think>and then it started to think again", "A lease."),  # cut by max_new_tokens
+    ("<think>never finished", ""),
+    ("No thinking at all.", "No thinking at all."),
+], ids=["block", "empty-block", "opened-in-prompt", "reopened", "unfinished", "none"])
+def test_strip_thinking(answer, expected):
+    assert strip_thinking(answer) == expected
+
+
+def test_extraction_reads_the_answer_after_the_thinking():
+    fields = [FieldRule("total", "integer")]
+    answer = strip_thinking('<think>\nmaybe {"total": 9}?\n</think>\n{"total": 5}')
+    assert check_extraction(answer, fields).output_json == '{"total": 5}'
