@@ -199,6 +199,40 @@ def inspect(
     console.print(table)
 
 
+@model_app.command("parity")
+def parity(
+    code_dir: Annotated[Path, typer.Argument(help="A Hugging Face snapshot folder of the checkpoint: its "
+                                                  "modeling_*.py, configuration_*.py and config.json.")],
+    trust_remote_code: Annotated[bool, typer.Option(
+        "--trust-remote-code", help="Run the Python code of CODE_DIR (in a child process).")] = False,
+    adapter: Annotated[Path | None, typer.Option(
+        help="File defining preview_logits(model, prompt_ids, block_ids) and generate_blocks(model, prompt_ids, "
+             "max_new_tokens) for the authors' model (default: CODE_DIR/clover_parity_adapter.py).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the random weights and inputs.")] = 0,
+    tolerance: Annotated[float, typer.Option(help="Largest difference accepted, relative to the reference's "
+                                                  "scale.")] = 1e-4,
+) -> None:
+    """Compare our implementation with the checkpoint authors' code on a tiny model of Clover's architecture:
+    prefill logits and layer outputs, one preview pass, the commit pass and greedy block decoding. Exit 0: all
+    equal; 1: a mismatch; 4: no mismatch, but some passes could not be compared (no adapter entry point)."""
+    from clover_batch.jobs.parity import ParityError, run_parity
+
+    try:
+        report = run_parity(code_dir, trust_remote_code=trust_remote_code, adapter=adapter, seed=seed,
+                            tolerance=tolerance)
+    except ParityError as e:
+        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    table = Table(title=f"parity with {code_dir} (tolerance {tolerance:g})")
+    for column in ("pass", "result", "max difference / detail"):
+        table.add_column(column)
+    for p in report.passes:
+        result = "match" if p.compared and p.ok else "MISMATCH" if p.compared else "not compared"
+        table.add_row(p.name, result, p.detail)
+    console.print(table)
+    raise typer.Exit(report.exit_code)
+
+
 @model_app.command("train-demo")
 def train_demo_command(
     out: Annotated[Path, typer.Option(help="Checkpoint directory to write.")] = Path("jobs/examples/demo"),
@@ -229,19 +263,22 @@ def train_demo_command(
                   f"{report['seconds']['total'] / 60:.1f} min", highlight=False, soft_wrap=True)
 
 
-def generate_text(source: str, prompt: str, options: DecodeOptions, *, raw: bool = False, dtype: str = "float32"):
-    """Load `source`, generate for one text prompt; returns (text, Generation)."""
+def generate_text(source: str, prompt: str, options: DecodeOptions, *, raw: bool = False, dtype: str = "float32",
+                  enable_thinking: bool = False):
+    """Load `source`, generate for one text prompt; returns (text, Generation). The answer's think block, if any,
+    is removed from the text, as the pipeline does."""
     import torch
     from clover_batch.model import generate, load_model
+    from clover_batch.pipeline.postprocess import strip_thinking
     from clover_batch.pipeline.tokenizer import PromptBuilder
 
     if not prompt:
         raise CommandError("--prompt is empty")
-    builder = PromptBuilder(source)
+    builder = PromptBuilder(source, enable_thinking=enable_thinking)
     ids = builder.encode(prompt, specials=True) if raw else builder.chat(prompt)
     model = load_model(source, dtype=getattr(torch, dtype))
     result = generate(model, [ids], options)[0]
-    return builder.decode(result.tokens), result
+    return strip_thinking(builder.decode(result.tokens)), result
 
 
 def _help(name: str) -> str:
@@ -249,12 +286,19 @@ def _help(name: str) -> str:
     return next(f.metadata["help"] for f in dataclasses.fields(DecodeOptions) if f.name == name)
 
 
+class Mode(StrEnum):
+    auto = "auto"
+    diffusion = "diffusion"
+    autoregressive = "autoregressive"
+
+
 def generate_command(
     model: Annotated[str, typer.Option(help="Checkpoint directory or preset name.")],
     prompt: Annotated[str, typer.Option(help="Text of the user message.")],
     raw: Annotated[bool, typer.Option("--raw", help="Encode the prompt as is, without the chat template.")] = False,
     max_new_tokens: Annotated[int, typer.Option(help=_help("max_new_tokens"))] = DecodeOptions.max_new_tokens,
-    threshold: Annotated[float, typer.Option(help=_help("threshold"))] = DecodeOptions.threshold,
+    threshold: Annotated[float | None, typer.Option(
+        help=_help("threshold") + " Default: the checkpoint's, else 0.9.")] = None,
     tokens_per_step: Annotated[int | None, typer.Option(help=_help("tokens_per_step"))] = None,
     temperature: Annotated[float, typer.Option(help=_help("temperature"))] = DecodeOptions.temperature,
     top_p: Annotated[float, typer.Option(help=_help("top_p"))] = DecodeOptions.top_p,
@@ -262,23 +306,46 @@ def generate_command(
     stop_token_id: Annotated[list[int] | None, typer.Option(help=_help("stop_token_ids") + " Repeatable.")] = None,
     window_tokens: Annotated[int | None, typer.Option(help=_help("window_tokens"))] = None,
     prefill_chunk_tokens: Annotated[int | None, typer.Option(help=_help("prefill_chunk_tokens"))] = None,
+    mode: Annotated[Mode, typer.Option(help=_help("mode"))] = Mode.auto,
+    presence_penalty: Annotated[float | None, typer.Option(help=_help("presence_penalty") + " Default: the "
+                                                           "checkpoint's, else 0.")] = None,
+    frequency_penalty: Annotated[float | None, typer.Option(help=_help("frequency_penalty") + " Default: the "
+                                                            "checkpoint's, else 0.")] = None,
+    repetition_penalty: Annotated[float | None, typer.Option(help=_help("repetition_penalty") + " Default: the "
+                                                             "checkpoint's, else 1.")] = None,
+    enable_thinking: Annotated[bool, typer.Option(
+        "--enable-thinking", help="Render the chat template with enable_thinking (the think block is removed from "
+                                  "the text).")] = False,
     dtype: Annotated[DType, typer.Option(help="Compute dtype.")] = DType.float32,
 ) -> None:
-    """Generate for one prompt and print the text with the counts: the quick way to try a checkpoint."""
+    """Generate for one prompt and print the text with the counts: the quick way to try a checkpoint. Decode
+    controls not given here come from the checkpoint (generation_config.json), as in a job."""
     with _clean_errors():
-        options = DecodeOptions(max_new_tokens=max_new_tokens, threshold=threshold, tokens_per_step=tokens_per_step,
-                                temperature=temperature, top_p=top_p, seed=seed,
-                                stop_token_ids=tuple(stop_token_id) if stop_token_id else None,
-                                window_tokens=window_tokens, prefill_chunk_tokens=prefill_chunk_tokens)
-        text, g = generate_text(model, prompt, options, raw=raw, dtype=dtype.value)
+        given = dict(threshold=threshold, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                     repetition_penalty=repetition_penalty,
+                     stop_token_ids=tuple(stop_token_id) if stop_token_id else None)
+        if Path(model).is_dir():
+            from clover_batch.model import vendor_decode_defaults
+
+            for name, (value, where) in vendor_decode_defaults(Path(model)).items():
+                if given.get(name) is None:
+                    given[name] = value
+                    err_console.print(f"{name} = {value!r} from {where}", highlight=False, style="dim")
+        options = DecodeOptions(max_new_tokens=max_new_tokens, tokens_per_step=tokens_per_step,
+                                temperature=temperature, top_p=top_p, seed=seed, window_tokens=window_tokens,
+                                prefill_chunk_tokens=prefill_chunk_tokens, mode=mode.value,
+                                **{k: v for k, v in given.items() if v is not None})
+        text, g = generate_text(model, prompt, options, raw=raw, dtype=dtype.value, enable_thinking=enable_thinking)
     console.print(text, highlight=False, markup=False, soft_wrap=True)
     seconds = g.prefill_seconds + g.decode_seconds
     per_forward = len(g.tokens) / max(1, g.denoising_steps)
+    confidence = "" if g.mean_logprob is None else f", mean log-probability {g.mean_logprob:.3f} under the trunk"
     err_console.print(
         f"prompt {g.prompt_tokens} tokens ({g.windows} window(s)), generated {len(g.tokens)} tokens "
         f"(stopped: {g.stopped}) in {g.denoising_steps} denoising steps, {g.forward_passes} forward passes "
-        f"({per_forward:.2f} tokens/step); prefill {g.prefill_seconds:.2f} s, decode {g.decode_seconds:.2f} s, "
-        f"{len(g.tokens) / max(g.decode_seconds, 1e-9):.1f} tokens/s decode, {seconds:.2f} s total",
+        f"({per_forward:.2f} tokens/step){confidence}; prefill {g.prefill_seconds:.2f} s, decode "
+        f"{g.decode_seconds:.2f} s, {len(g.tokens) / max(g.decode_seconds, 1e-9):.1f} tokens/s decode, "
+        f"{seconds:.2f} s total",
         highlight=False, soft_wrap=True)
 
 
