@@ -11,14 +11,14 @@ with the example jobs' own prompts, for thresholds 0.95, 0.9, 0.7, 0.5 and fixed
 - summary: exact match and token-level similarity with the target (1 - token edit distance / longer length);
 - tokens per step (denoising steps) and per decode forward (steps + block commits; the engine commits a finished
   block in the next step's forward, one forward per row either way), and decode tokens/s: tokens generated / wall
-  time of the engine's decode steps (prefill excluded; the same batches of --batch documents for every mode).
+  time of the engine's decode steps (prefill excluded; the same batches of --batch documents for every mode);
+- logp: the outputs' mean log-probability per token under the model's causal trunk (Generation.mean_logprob,
+  token-weighted), for models whose causal logits score the next token (logits_shift: Clover's layout).
 
-The one-token-per-step baseline is k = 1 on the same model and engine ("AR-style": one token committed per
-forward, left to right by confidence). A block-diffusion model has no separate autoregressive mode: its config
-fixes the block (16) and it was trained to fill masked positions from their own hidden states, so the engine's
-autoregressive path (next-token logits, no block) does not apply to it, and block size 1 would change the attention
-pattern it was trained with. k = 1 is the honest "same model, one token per forward" line; its forwards still
-carry the whole 16-token block, which on a CPU costs more than a 1-token forward would.
+Baselines: k = 1 on the same model and engine (one token filled per denoising step, left to right by confidence),
+and, for a model whose causal trunk scores the next token, `ar`: its trunk decoding one token per forward
+(`DecodeOptions.mode="autoregressive"`), the exact model that diffusion decoding approximates; a model that
+predicts each position from itself (logits_shift false) has no such trunk, and `ar` is skipped for it.
 
 Long documents: held-out documents whose facts all lie more than `window_tokens` before the answer (the attention
 window cannot see them; only the carried Gated DeltaNet state can) are scored separately.
@@ -46,7 +46,8 @@ from clover_batch.model import generate, load_model
 
 log = logging.getLogger("bench.diffusion_quality")
 
-MODES = {"t0.95": {"threshold": 0.95}, "t0.9": {"threshold": 0.9}, "t0.7": {"threshold": 0.7},
+MODES = {"ar": {"mode": "autoregressive"},
+         "t0.95": {"threshold": 0.95}, "t0.9": {"threshold": 0.9}, "t0.7": {"threshold": 0.7},
          "t0.5": {"threshold": 0.5}, "k1": {"tokens_per_step": 1}, "k2": {"tokens_per_step": 2},
          "k4": {"tokens_per_step": 4}, "k8": {"tokens_per_step": 8}}
 
@@ -65,6 +66,13 @@ class Tally:
     long_fields_ok: int = 0
     long_fields: int = 0
     per_field: dict[str, int] = field(default_factory=dict)
+    logprob: float = 0.0  # summed over the tokens of generations that have a mean_logprob
+    scored: int = 0
+
+
+def logp(*tallies: Tally) -> str:
+    scored = sum(t.scored for t in tallies)
+    return f"{sum(t.logprob for t in tallies) / scored:.3f}" if scored else "-"
 
 
 def beyond_window(maker: PairMaker, doc: Document, task: str, window: int) -> bool:
@@ -88,7 +96,11 @@ def run_mode(model, maker: PairMaker, docs: list[Document], task: str, options: 
         # batch's decode wall time (prefill steps excluded)
         tally.decode_seconds += sum(g.decode_seconds for g in gens)
         for doc, prompt, g in zip(part, prompts, gens, strict=True):
-            prefill_forwards = -(-((len(prompt) // bs) * bs) // chunk)
+            prefilled = len(prompt) if options.get("mode") == "autoregressive" else (len(prompt) // bs) * bs
+            prefill_forwards = -(-prefilled // chunk)
+            if g.mean_logprob is not None:
+                tally.logprob += g.mean_logprob * len(g.tokens)
+                tally.scored += len(g.tokens)
             tally.tokens += len(g.tokens)
             tally.steps += g.denoising_steps
             tally.decode_forwards += g.forward_passes - prefill_forwards
@@ -138,7 +150,11 @@ def main() -> None:
     generate(model, [maker.prompt(docs[0], "summarize")], max_new_tokens=16)  # warm-up
 
     rows = []
+    shifted = model.config.diffusion.logits_shift
     for name in args.modes:
+        if name == "ar" and not shifted:
+            log.info("ar skipped: this model predicts each position from itself (logits_shift false): no trunk")
+            continue
         start = time.perf_counter()
         ext = run_mode(model, maker, docs, "extract", MODES[name], args.batch, args.max_new_tokens,
                        args.merge_commits)
@@ -156,7 +172,7 @@ def main() -> None:
              f"{'commits merged into the next step, ' if args.merge_commits else ''}"
              f"load average before {load_before[0]:.1f}",
              f"{'mode':6} {'fields':>7} {'JSON ok':>7} {'long':>7} {'summ ==':>7} {'summ sim':>8} "
-             f"{'tok/step':>8} {'tok/fwd':>7} {'tok/s':>7} {'vs k=1':>7}"]
+             f"{'tok/step':>8} {'tok/fwd':>7} {'tok/s':>7} {'vs k=1':>7} {'logp':>7}"]
     for name, ext, summ in rows:
         tokens = ext.tokens + summ.tokens
         rate = tokens / (ext.decode_seconds + summ.decode_seconds)
@@ -165,10 +181,11 @@ def main() -> None:
             f"{name:6} {100 * ext.fields_ok / ext.fields:6.1f}% {100 * ext.answers_ok / ext.answers:6.1f}% "
             f"{long:>7} {100 * summ.answers_ok / summ.answers:6.1f}% {summ.similarity / summ.answers:8.3f} "
             f"{tokens / (ext.steps + summ.steps):8.2f} {tokens / (ext.decode_forwards + summ.decode_forwards):7.2f} "
-            f"{rate:7.1f} {f'{rate / base_rate:6.2f}x' if base_rate else '-':>7}")
+            f"{rate:7.1f} {f'{rate / base_rate:6.2f}x' if base_rate else '-':>7} {logp(ext, summ):>7}")
     lines.append("fields: extraction field exact match; JSON ok: every field right; long: field exact match on the "
                  f"{n_long} documents whose facts are all beyond the window; summ ==: summary exact match; summ sim: "
-                 "token similarity; tok/fwd: tokens per decode forward (steps + commits); tok/s: decode tokens/s")
+                 "token similarity; tok/fwd: tokens per decode forward (steps + commits); tok/s: decode tokens/s; "
+                 "logp: mean log-probability per output token under the causal trunk")
     for name, ext, _ in rows:
         lines.append(f"per field, {name}: " + ", ".join(f"{f} {100 * ext.per_field[f] / ext.answers:.0f}%"
                                                         for f in EXTRACT_FIELDS))
