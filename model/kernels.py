@@ -60,26 +60,38 @@ class FlaKernels:
                    version=f"fla-core {getattr(fla, '__version__', '?')}")
 
     def gated_delta_rule(self, q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor,
-                         g_BTH: torch.Tensor, beta_BTH: torch.Tensor,
-                         state_BHKV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k: L2-normalised, key heads; v: value heads; returns (o [B, T, Hv, V], final state fp32, new)."""
-        kernel = (self.fused_recurrent_gated_delta_rule if q_BTHK.shape[1] <= FUSED_RECURRENT_MAX_TOKENS
+                         g_BTH: torch.Tensor, beta_BTH: torch.Tensor, state_BHKV: torch.Tensor,
+                         lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k: L2-normalised, key heads; v: value heads; returns (o [B, T, Hv, V], final state fp32, new).
+        lengths: sequences packed along one row (fla's cu_seqlens), each from its own state [N, Hv, K, V]."""
+        longest = q_BTHK.shape[1] if lengths is None else max(lengths)
+        kernel = (self.fused_recurrent_gated_delta_rule if longest <= FUSED_RECURRENT_MAX_TOKENS
                   else self.chunk_gated_delta_rule)
         dtype = v_BTHV.dtype  # fla's kernels take q, k, v in one dtype and accumulate in fp32
+        extra = {} if lengths is None else {"cu_seqlens": _cu_seqlens(lengths, q_BTHK.device)}
         o, final = kernel(q=q_BTHK.to(dtype).contiguous(), k=k_BTHK.to(dtype).contiguous(), v=v_BTHV.contiguous(),
                           g=g_BTH.float().contiguous(), beta=beta_BTH.to(dtype).contiguous(),
                           scale=q_BTHK.shape[-1] ** -0.5, initial_state=state_BHKV.float().contiguous(),
-                          output_final_state=True)
+                          output_final_state=True, **extra)
         return o, final
 
-    def causal_conv(self, x_BTC: torch.Tensor, w_CK: torch.Tensor,
-                    tail_BKC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Depthwise causal conv + SiLU carrying our tail [B, Kc-1, C]; returns (y [B, T, C], new tail)."""
+    def causal_conv(self, x_BTC: torch.Tensor, w_CK: torch.Tensor, tail_BKC: torch.Tensor,
+                    lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depthwise causal conv + SiLU carrying our tail [B, Kc-1, C]; returns (y [B, T, C], new tail).
+        lengths: sequences packed along one row (fla's cu_seqlens), each after its own tail [N, Kc-1, C]."""
         # fla keeps the last Kc inputs, oldest first; the oldest is outside the kernel's reach, so zero is exact
         initial = F.pad(tail_BKC.transpose(1, 2), (1, 0)).to(x_BTC.dtype).contiguous()  # [B, C, Kc]
+        extra = {} if lengths is None else {"cu_seqlens": _cu_seqlens(lengths, x_BTC.device)}
         y, final = self.causal_conv1d(x=x_BTC.contiguous(), weight=w_CK.contiguous(), initial_state=initial,
-                                      output_final_state=True, activation="silu")
+                                      output_final_state=True, activation="silu", **extra)
         return y, final[:, :, 1:].transpose(1, 2)
+
+
+def _cu_seqlens(lengths: list[int], device: torch.device) -> torch.Tensor:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
 
 
 _forced: FlaKernels | str | None = None  # "torch", or fla kernels (stand-ins in tests) for every device
