@@ -112,10 +112,12 @@ def test_retry_status_must_name_a_status(tmp_path):
 
     job = write_job(tmp_path / "job.yaml", job_raw(str(tmp_path), str(tmp_path / "out")))
     result = CliRunner().invoke(app, ["run", str(job), "--retry-status", "read_eror"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # usage
     assert "--retry-status read_eror: not a row status (known: ok, read_error," in " ".join(result.output.split())
     result = CliRunner().invoke(app, ["run", str(job), "--retry-status", "ok"])
-    assert result.exit_code == 1 and "rows that succeeded are not run again" in " ".join(result.output.split())
+    assert result.exit_code == 2 and "rows that succeeded are not run again" in " ".join(result.output.split())
+    result = CliRunner().invoke(app, ["run", str(job), "--fail-on-status", "encryptd"])
+    assert result.exit_code == 2 and "--fail-on-status encryptd: not a row status" in " ".join(result.output.split())
     assert not (tmp_path / "out").exists()
 
 
