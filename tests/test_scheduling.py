@@ -2,8 +2,9 @@
 model the replicas cannot load, 2 for a bad job, 130 and 143 for SIGINT and SIGTERM), `show --json`, and the run's
 Prometheus metrics scraped from the session Ray's metrics endpoint.
 
-CLI runs join the session's Ray by address; CLOVER_BATCH_FAULT=committed:1:stall hangs a write worker after the
-first committed part, so a run is still in progress when the test signals it.
+Where stdout or signals matter the CLI runs in a subprocess, joined to the session's Ray by address (a
+CLOVER_BATCH_FAULT=committed:1:stall hangs a write worker after the first committed part, so a run is still in
+progress when the test signals it); elsewhere in this process (typer's CliRunner, stdout and stderr apart).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from collections import Counter
 
 from clover_batch.connectors.fs import Location
 from clover_batch.connectors.sink import committed_parts, read_output
+from clover_batch.jobs.cli import app
 from clover_batch.jobs.runner import run
 from clover_batch.jobs.spec import parse_job
 from conftest import assert_clean_ray_output, job_raw, requires_engine, write_job
+from typer.testing import CliRunner
 
 pytestmark = requires_engine
 
@@ -60,15 +63,15 @@ def test_json_report_holds_the_parquet_counts_and_fail_on_status_exits_3(ray_ses
     assert report["output_tokens"] == sum(r["output_tokens"] or 0 for r in rows) > 0
     assert report["input_tokens"] == sum(r["input_tokens"] or 0 for r in rows) > 0
 
-    shown = _cli("show", str(out), "--json")
-    assert shown.returncode == 0, shown.stderr
+    shown = CliRunner().invoke(app, ["show", str(out), "--json"])
+    assert shown.exit_code == 0, shown.output
     summary = json.loads(shown.stdout)
     assert (summary["rows"], summary["parts"], summary["by_status"]) == (4, len(committed_parts(Location(str(out)))),
                                                                         {"empty": 1, "ok": 3})
 
     # nothing new to run (no Ray needed), but `empty` named a failure: the output's rows say exit 3
-    failed = _cli("run", str(job), "--json", "--fail-on-status", "empty")
-    assert failed.returncode == 3, failed.stderr
+    failed = CliRunner().invoke(app, ["run", str(job), "--json", "--fail-on-status", "empty"])
+    assert failed.exit_code == 3, failed.output
     again = json.loads(failed.stdout)
     assert (again["processed"], again["skipped_done"], again["by_status"]) == (0, 4, {})
     assert (again["documents_by_status"], again["failures"], again["exit_code"]) == ({"empty": 1, "ok": 3},
@@ -84,8 +87,8 @@ def test_a_bad_job_exits_2_with_nothing_on_stdout(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text("name: j\ninput: {uri: in}\noutput: {uri: out}\ntask: {kind: summarize}\n"
                    "run: {fail_on_status: [encryptd]}\n")
-    result = _cli("run", str(job), "--json")
-    assert result.returncode == 2 and result.stdout == ""
+    result = CliRunner().invoke(app, ["run", str(job), "--json"])
+    assert result.exit_code == 2 and result.stdout == ""
     assert "run.fail_on_status: Value error, encryptd: not a row status" in result.stderr
 
 
@@ -105,8 +108,8 @@ def test_a_model_the_replicas_cannot_load_exits_1(ray_session, s3_server, s3_buc
     out = tmp_path / "out"
     raw = job_raw(str(docs), str(out), model={"source": f"s3://{bucket}/ckpt/", "storage_options": s3_server,
                                               "cache_dir": str(tmp_path / "cache")})
-    result = _cli("run", str(write_job(tmp_path / "job.yaml", raw)), "--address", ray_session)
-    assert result.returncode == 1, result.stdout + result.stderr
+    result = CliRunner().invoke(app, ["run", str(write_job(tmp_path / "job.yaml", raw))])  # the session's Ray
+    assert result.exit_code == 1, result.output
     failed = [line for line in result.stderr.splitlines() if line.startswith("run failed:")]
     assert len(failed) == 1 and "CheckpointError: " in failed[0] and "model.safetensors" in failed[0], result.stderr
     assert read_output(Location(str(out))) is None and not (out / "_lock.json").exists()
