@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from clover_batch.model.options import DecodeOptions
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from clover_batch.pipeline.rows import INFRASTRUCTURE_STATUSES, STATUSES
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -205,6 +206,25 @@ class ResourcesSpec(_Strict):
     )
 
 
+class RunSpec(_Strict):
+    fail_on_status: list[str] = Field(
+        default=[],
+        description="Document statuses that fail the run like infrastructure failures: `clover-batch run` exits 3 "
+        "when a listed document's row has one (e.g. [encrypted, too_long]). By default only "
+        f"{', '.join(INFRASTRUCTURE_STATUSES)} do, and document failures are data. `--fail-on-status` adds more.",
+    )
+
+    @field_validator("fail_on_status")
+    @classmethod
+    def _known_statuses(cls, value: list[str]) -> list[str]:
+        unknown = [s for s in value if s not in STATUSES]
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: not a row status (known: {', '.join(STATUSES)})")
+        if "ok" in value:
+            raise ValueError("ok: a run whose documents succeed is not a failure")
+        return value
+
+
 class JobSpec(_Strict):
     name: str = Field(
         min_length=1,
@@ -219,6 +239,7 @@ class JobSpec(_Strict):
     )
     decode: DecodeSpec = Field(default_factory=DecodeSpec, description="Decoding options.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Actor pool resources.")
+    run: RunSpec = Field(default_factory=RunSpec, description="What the run's outcome (its exit code) counts.")
 
 
 class JobSpecError(ValueError):

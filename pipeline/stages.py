@@ -1,8 +1,8 @@
 """Pipeline stages: small classes, setup in `__init__`, `__call__(batch: pa.Table) -> pa.Table` does the work.
 
 read -> parse -> tokenize are cheap, stateless tasks (Ray fuses them); `InferStage` is the actor that holds one
-model replica and one continuous-batching engine, fed by several Ray batches at once; postprocess decodes and
-checks answers;
+model replica and one continuous-batching engine, fed by several Ray batches at once (started by the run itself, see
+pipeline/replicas.py); postprocess decodes and checks answers;
 `WriteStage` commits each batch as one Parquet part and passes on only small stats rows for progress and the report.
 Stages never raise for a bad document: they set its status (see pipeline/parse.py and pipeline/rows.py).
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -175,17 +174,22 @@ EP_MAX_RESTARTS = 2  # restarts in a row of an expert-parallel replica's workers
 
 
 class InferStage:
-    """One model replica (a Ray actor) and its continuous-batching engine, fed by several Ray batches at once.
+    """One model replica (a Ray actor, pipeline/replicas.py) and its continuous-batching engine, fed by several Ray
+    batches at once.
 
-    `__call__` is an async generator: Ray Data runs several calls per actor concurrently (`max_concurrency`), each
-    hands its documents to the engine loop (pipeline/serving.py) and yields its rows once all of them finished,
-    so the engine always has the next batch's documents to admit when a slot frees up.
+    `infer` is async: the actor runs several calls concurrently, each hands its documents to the engine loop
+    (pipeline/serving.py) and returns its rows once all of them finished, so the engine always has the next batch's
+    documents to admit when a slot frees up. Its constructor takes small values only (specs, a URI, a run id), so
+    Ray can always restart it.
     """
 
     def __init__(self, model: ModelRef, decode: DecodeOptions, num_threads: int, max_slots: int,
-                 output: Location | None = None, run_id: str = "", max_attempts: int = 2):
+                 output: Location | None = None, run_id: str = "", max_attempts: int = 2, job_name: str = "",
+                 replica_index: int = 0):
+        import ray
         import torch
         from clover_batch.model import Engine, kernels, load_model
+        from clover_batch.pipeline.metrics import ReplicaMetrics
         from clover_batch.pipeline.serving import EngineLoop
 
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[model.dtype]
@@ -217,8 +221,9 @@ class InferStage:
 
         # a dead worker rank of an expert-parallel replica: restart the workers, rerun what was in flight
         recover = (lambda: self.replica.restart()) if model.expert_parallel > 1 else None  # type: ignore[union-attr]
+        self.metrics = ReplicaMetrics(job_name, replica_index) if ray.is_initialized() else None
         self.loop = EngineLoop(build, recover=recover, max_recoveries=EP_MAX_RESTARTS, on_admit=on_admit,
-                               on_leave=on_leave)
+                               on_leave=on_leave, on_step=self.metrics.stepped if self.metrics else None)
         self.engine = self.loop.engine
         self.kernels = (f"{kernels.describe()}; CUDA graphs {'on' if self.engine.static else 'off'}; "
                         f"{self.model.dtype} on {device}")
@@ -252,7 +257,12 @@ class InferStage:
             self._uris.pop(row["doc_id"], None)
             self._past.pop(row["doc_id"], None)
 
-    async def __call__(self, batch: pa.Table) -> AsyncIterator[pa.Table]:
+    async def load(self) -> int:
+        """Documents in this replica now (submitted to its engine loop, result not back yet)."""
+        return self.loop.in_loop
+
+    async def infer(self, batch: pa.Table) -> pa.Table:
+        """The batch's rows with their answers (or their failure); fails when the replica itself is broken."""
         from clover_batch.model import EngineCapacityError
         from clover_batch.model.expert_parallel import ExpertParallelError
 
@@ -278,6 +288,8 @@ class InferStage:
                 if isinstance(gen, BaseException):
                     fail(row, "inference_error", f"{type(gen).__name__}: {gen}")
                     continue
+                if self.metrics is not None:
+                    self.metrics.generated(gen)
                 row["timings"] = {
                     **(row["timings"] or {}),
                     # this document's engine time: its prefill, and its share of every decode step it was in
@@ -298,7 +310,7 @@ class InferStage:
                     kernels=self.kernels,
                 )
             fault_point("inference")
-        yield to_table(rows)
+        return to_table(rows)
 
 
 def crashed_message(attempts: list[Attempt], max_attempts: int) -> str:

@@ -179,7 +179,8 @@ def test_varlen_kernels_equal_each_sequence_alone():
     v, g, beta = torch.randn(T, H, V, generator=gen), -torch.rand(T, H, generator=gen), torch.rand(T, H, generator=gen)
     S0 = torch.randn(4, H, K, V, generator=gen)
     o, S = gdn_chunked_varlen(q, k, v, g, beta, S0, lengths, chunk=16)
-    x, w, tails = torch.randn(T, C, generator=gen), torch.randn(C, 4, generator=gen), torch.randn(4, 3, C, generator=gen)
+    x, w = torch.randn(T, C, generator=gen), torch.randn(C, 4, generator=gen)
+    tails = torch.randn(4, 3, C, generator=gen)
     y, new_tails = causal_conv_varlen(x, w, tails, lengths)
     start = 0
     for i, n in enumerate(lengths):
