@@ -315,6 +315,7 @@ class Engine:
     def in_flight(self) -> list[str]:
         return list(self.live)
 
+    @torch.inference_mode()
     def restart(self) -> None:
         """Drop all slot state and queue every request in flight again from its start, in arrival order (the
         expert-parallel replica calls this after its workers were restarted: a broken step leaves no partial

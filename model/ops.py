@@ -256,25 +256,26 @@ def gdn_chunked(
     g, beta = (F.pad(t.float(), (0, 0, 0, pad)).transpose(1, 2) for t in (g_BTH, beta_BTH))  # [B, H, Tp]
     n = (T + pad) // chunk
 
-    def chunks(t: torch.Tensor) -> torch.Tensor:  # [B, H, n*L, *] -> [B*n, H, L, *]: a batch of chunks
-        return t.reshape(B, H, n, chunk, *t.shape[3:]).transpose(1, 2).reshape(B * n, H, chunk, *t.shape[3:])
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # [B, H, n*L, *] -> [n*B, H, L, *]: a batch of chunks, n-major
+        shape = t.shape[3:]
+        t = t.reshape(B, H, n, chunk, *shape)
+        return t.permute(2, 0, 1, 3, *range(4, 4 + len(shape))).reshape(n * B, H, chunk, *shape)
 
     terms = _chunk_terms(chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta), Kd ** -0.5)
-    U, QK, WQ, k_dec_t, a_chunk = (t.view(B, n, *t.shape[1:]) for t in terms)  # [B, n, H, ...]
+    U, QK, WQ, k_dec_t, a_chunk = (t.view(n, B, *t.shape[1:]) for t in terms)  # [n, B, H, ...]: chunk i is [i]
 
     S = state_BHKV.float().clone()
     # Training (autograd recording) cannot write into a preallocated output (`out=` has no backward): there each
     # chunk's output is its own tensor, stacked at the end; inference keeps the copy-free `out=` form.
     recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, S))
-    out = None if recording else torch.empty(B, n, H, chunk, Vd, dtype=torch.float32, device=q.device)
+    out = None if recording else torch.empty(n, B, H, chunk, Vd, dtype=torch.float32, device=q.device)
     outs = []
     for i in range(n):
-        o, S = _chunk_step(U[:, i], QK[:, i], WQ[:, i], k_dec_t[:, i], a_chunk[:, i], S,
-                           None if out is None else out[:, i])
+        o, S = _chunk_step(U[i], QK[i], WQ[i], k_dec_t[i], a_chunk[i], S, None if out is None else out[i])
         outs.append(o)
     if out is None:
-        out = torch.stack(outs, dim=1)
-    out = out.transpose(1, 2).reshape(B, H, n * chunk, Vd)[:, :, :T]
+        out = torch.stack(outs, dim=0)
+    out = out.permute(1, 2, 0, 3, 4).reshape(B, H, n * chunk, Vd)[:, :, :T]
     return out.transpose(1, 2), S
 
 

@@ -69,9 +69,9 @@ def test_pages_for():
 
 # ---- the engine over pages ---------------------------------------------------------------------------------------
 
-PROMPTS = [list(range(10, 30)), list(range(40, 45)), list(range(50, 77)), list(range(100, 240)), [7, 8],
-           list(range(300, 340))]
-SMALL = dict(window_tokens=24, prefill_chunk_tokens=16, max_new_tokens=30)
+# block-unaligned prompts, one past the window (several chunks), one shorter than a block
+PROMPTS = [list(range(10, 30)), list(range(40, 45)), list(range(100, 170)), [7, 8], list(range(300, 327))]
+SMALL = dict(window_tokens=24, prefill_chunk_tokens=16, max_new_tokens=20)
 MODES = {
     "autoregressive": ("tiny-ar", DecodeOptions(**SMALL)),
     "diffusion-k3": ("tiny", DecodeOptions(tokens_per_step=3, **SMALL)),
@@ -94,8 +94,9 @@ def _run(engine: Engine, options: DecodeOptions, prompts: list[list[int]]) -> di
     return results
 
 
-@pytest.mark.parametrize("merge", [False, True], ids=["separate-commits", "merged-commits"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,merge", [("autoregressive", False), ("diffusion-k3", True),
+                                        ("clover-threshold", False), ("sampling", True)],
+                         ids=["autoregressive", "diffusion-merged", "clover", "sampling-merged"])
 def test_a_pool_too_small_for_everyone_preempts_and_outputs_stay_exact(models, mode, merge):
     """4-token pages under a 24-token window, a pool of one window's pages for 4 slots: sequences are preempted and
     recomputed, and every output equals the no-cache reference; no page is left held."""
@@ -153,12 +154,12 @@ def test_each_row_reads_exactly_its_live_keys(models):
     engine = Engine(models["tiny-ar"], DecodeOptions(**SMALL), max_slots=3, page_size=4)
     slots = engine.slots
     lengths = [0, 10, 40]
-    for s, n in enumerate(lengths):
-        slots.grow(s, n + 2)
-        slots.slide(s, n - 24 + 1)
-        slots.positions[s] = n
-    rows = slots.rows(0, lengths, 2, None)
-    _, read, key_pos = rows.index()
+    with torch.inference_mode():  # the engine's tensors are inference tensors
+        for s, n in enumerate(lengths):
+            slots.grow(s, n + 2)
+            slots.slide(s, n - 24 + 1)
+            slots.positions[s] = n
+        _, read, key_pos = slots.rows(0, lengths, 2, None).index()
     assert read.shape == key_pos.shape == (3, 23 + 2)  # the longest row: window - 1 committed keys + 2 new
     for r, n in enumerate(lengths):
         live = [p for p in key_pos[r].tolist() if p >= 0]
