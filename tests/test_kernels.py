@@ -5,8 +5,8 @@ fla-core is installed, its own naive reference agrees with our kernels on fla's 
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import inspect
+import itertools
 from pathlib import Path
 
 import pytest
