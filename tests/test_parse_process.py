@@ -76,7 +76,7 @@ def test_a_child_that_dies_on_a_document_gives_parse_crashed(tmp_path, sig, name
         parsed = parser.parse_pdf(xobject_bomb(9), timeout_s=60)
         killer.join()
         assert parsed.status == "parse_crashed"
-        assert parsed.error == f"the PDF parser process died on this document (killed by {name})"
+        assert parsed.error == f"the parser process died on this document (killed by {name})"
         assert parser.parse_pdf(good, timeout_s=60).status == "ok"
     finally:
         parser.close()
