@@ -37,9 +37,8 @@ _NOWHERE = (-2.0, -2.0, -1.0, -1.0)  # a culling rectangle off the page: cull no
 
 @dataclass(frozen=True)
 class PageOcr:
-    """What OCR did to one page."""
+    """What OCR did to one page it ran on."""
 
-    recognised: bool  # OCR ran on the page
     ocr_chars: int  # characters of recognised text written onto the page
     layer_chars: int  # characters of the page's own text layer still on it (not replaced, not unreadable)
 
@@ -102,8 +101,9 @@ def needs_ocr(page: pymupdf.Page) -> bool:
 def ocr_page(page: pymupdf.Page, recogniser: Recogniser, *, replace_text: bool, dpi: int = OCR_DPI) -> PageOcr:
     """Recognise the page and write the lines onto it (see the module docstring)."""
     spans = _spans(page)
-    good = [s for s in spans if not replace_text and FFFD not in s["text"] and not _invisible(s)]
-    drop = [s for s in spans if s not in good]
+    keep = [not replace_text and FFFD not in s["text"] and not _invisible(s) for s in spans]
+    good = [s for s, k in zip(spans, keep, strict=True) if k]
+    drop = [s for s, k in zip(spans, keep, strict=True) if not k]
     layer_chars = sum(len(s["text"].strip()) for s in good)
     from pymupdf4llm.ocr.get_culled_pixmap import get_pixmap
 
@@ -111,7 +111,7 @@ def ocr_page(page: pymupdf.Page, recogniser: Recogniser, *, replace_text: bool, 
     # is not text yet. pymupdf4llm's renderer also lowers the dpi of a huge page to stay under 10 megapixels.
     pix, empty = get_pixmap(page.get_displaylist(), dpi=dpi, rects=[s["bbox"] for s in good] or [_NOWHERE])
     if empty:
-        return PageOcr(True, 0, layer_chars)
+        return PageOcr(0, layer_chars)
     lines = recogniser.lines(pix)
     if drop:
         for span in drop:
@@ -119,7 +119,7 @@ def ocr_page(page: pymupdf.Page, recogniser: Recogniser, *, replace_text: bool, 
         page.apply_redactions(images=pymupdf.PDF_REDACT_IMAGE_NONE, graphics=pymupdf.PDF_REDACT_LINE_ART_NONE,
                               text=pymupdf.PDF_REDACT_TEXT_REMOVE)
     if not lines:
-        return PageOcr(True, 0, layer_chars)
+        return PageOcr(0, layer_chars)
     to_page = pymupdf.Rect(pix.irect).torect(page.rect)
     page.insert_font(fontname=_FONT_NAME, fontbuffer=recogniser.font.buffer)
     chars = 0
@@ -135,23 +135,22 @@ def ocr_page(page: pymupdf.Page, recogniser: Recogniser, *, replace_text: bool, 
         page.insert_text(rect.bl + pymupdf.Point(0, -0.2 * size), text, fontsize=size, fontname=_FONT_NAME,
                          morph=(rect.bl, scale))
         chars += len(text.strip())
-    return PageOcr(True, chars, layer_chars)
+    return PageOcr(chars, layer_chars)
 
 
-def recognise_document(doc: pymupdf.Document, mode: str, recogniser: Recogniser) -> list[PageOcr]:
-    """Run the OCR decision and recognition over every page of a PDF (changing the pages in memory); one PageOcr
-    per page, in order. `never` changes nothing."""
-    out = []
-    for page in doc:
-        if mode == "never" or (mode == "auto" and not needs_ocr(page)):
-            out.append(PageOcr(False, 0, len(page.get_text().strip())))
-            continue
-        out.append(ocr_page(page, recogniser, replace_text=mode == "always"))
-    return out
+def recognise_document(doc: pymupdf.Document, mode: str, recogniser: Recogniser) -> list[PageOcr | None]:
+    """Run the OCR decision and recognition over every page of a PDF (changing the pages in memory): per page, in
+    order, what OCR did, or None where it did not run. `never` changes nothing."""
+    if mode == "never":
+        return [None] * doc.page_count
+    return [ocr_page(page, recogniser, replace_text=mode == "always") if mode == "always" or needs_ocr(page) else None
+            for page in doc]
 
 
-def text_source(pages: list[PageOcr]) -> str:
-    """`text` (no recognised text), `ocr` (only recognised text) or `mixed` (both), for a document's pages."""
-    ocr = any(p.ocr_chars for p in pages)
-    layer = any(p.layer_chars for p in pages)
+def text_source(recognised: list[PageOcr | None], page_texts: list[str]) -> str:
+    """`text` (no recognised text), `ocr` (only recognised text) or `mixed` (both), for a document's pages: a page
+    OCR did not run on contributes its text layer."""
+    ocr = any(r is not None and r.ocr_chars for r in recognised)
+    layer = any(r.layer_chars if r is not None else text.strip()
+                for r, text in zip(recognised, page_texts, strict=True))
     return "mixed" if ocr and layer else "ocr" if ocr else "text"

@@ -193,12 +193,12 @@ def parse_pdf(data: bytes, max_pages: int | None = None, *, pdf_text: str = "mar
             return Parsed("pdf", "corrupt_pdf", f"cannot read the PDF's pages: {e}", pages=count)
         plain = clean("\n\n".join(p.strip() for p in pages if p.strip()))
         if not plain:
-            read = sum(p.recognised for p in recognised)
+            read = sum(r is not None for r in recognised)
             why = ("OCR is off (input.ocr=never)" if ocr == "never" else
                    f"and OCR found no text on the {read} it read" if read else "and no picture of text to recognise")
             return Parsed("pdf", "no_text", f"no text in {count} pages, {why}", pages=count)
         text = plain if pdf_text == "plain" else _markdown_or_plain(doc, plain)
-    return Parsed("pdf", "ok", text=text, pages=count, text_source=text_source(recognised))
+    return Parsed("pdf", "ok", text=text, pages=count, text_source=text_source(recognised, pages))
 
 
 def _markdown_or_plain(doc: pymupdf.Document, plain: str) -> str:

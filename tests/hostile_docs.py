@@ -351,7 +351,7 @@ def fuzz_html(seed: int = 0) -> dict[str, bytes]:
     out["html.doctype-laughs.xhtml"] = (b'<?xml version="1.0"?><!DOCTYPE html [<!ENTITY a "ha"><!ENTITY b "&a;&a;'
                                         b'&a;&a;&a;&a;&a;&a;"><!ENTITY c "&b;&b;&b;&b;&b;&b;&b;&b;">]><html><body>'
                                         b'<p>&c;&c;&c;&c; laughs</p></body></html>')
-    out["html.invalid-utf8-undeclared.html"] = page.replace("<meta charset='{cs}'>", "").encode().replace(
+    out["html.invalid-utf8-undeclared.html"] = page.replace("<meta charset='utf-8'>", "").encode().replace(
         b"ferry", b"f\xe9rry")
     out["html.invalid-utf8-declared.html"] = page.encode().replace(b"ferry", b"f\xff\xfe rry")
     out["html.cp1252-declared.html"] = article.format(cs="windows-1252", body="Caf\xe9 cr\xe8me \u20ac").encode(
