@@ -100,13 +100,13 @@ def needs_ocr(page: pymupdf.Page) -> bool:
 
 def ocr_page(page: pymupdf.Page, recogniser: Recogniser, *, replace_text: bool, dpi: int = OCR_DPI) -> PageOcr:
     """Recognise the page and write the lines onto it (see the module docstring)."""
+    from pymupdf4llm.ocr.get_culled_pixmap import get_pixmap
+
     spans = _spans(page)
     keep = [not replace_text and FFFD not in s["text"] and not _invisible(s) for s in spans]
     good = [s for s, k in zip(spans, keep, strict=True) if k]
     drop = [s for s, k in zip(spans, keep, strict=True) if not k]
     layer_chars = sum(len(s["text"].strip()) for s in good)
-    from pymupdf4llm.ocr.get_culled_pixmap import get_pixmap
-
     # The page drawn without its good text (not read twice): a scan's picture, unreadable glyphs, and whatever else
     # is not text yet. pymupdf4llm's renderer also lowers the dpi of a huge page to stay under 10 megapixels.
     pix, empty = get_pixmap(page.get_displaylist(), dpi=dpi, rects=[s["bbox"] for s in good] or [_NOWHERE])

@@ -83,7 +83,10 @@ def serve(request_fd: int, reply_fd: int) -> None:
     """The child's loop: read a request (JSON header, then the document's bytes), parse, reply with the Parsed as
     JSON."""
     _die_with_parent()
-    _write_blocking(reply_fd, _header(0))  # ready: pymupdf is imported
+    import docx  # noqa: F401  (imported before the first document: its time limit is for parsing)
+    import trafilatura  # noqa: F401
+
+    _write_blocking(reply_fd, _header(0))  # ready: pymupdf, python-docx and trafilatura are imported
     while True:
         size = _read_blocking(request_fd, 8)
         if size is None:
