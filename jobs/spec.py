@@ -69,7 +69,7 @@ class InputSpec(_Strict):
         default="markdown",
         description="How PDF, EPUB and XPS pages become text: `markdown` (layout analysis by pymupdf4llm: headings, "
         "lists, reading order across columns, tables as Markdown tables) or `plain` (MuPDF's text in content order: "
-        "about a hundred times cheaper per page, tables come out one cell per line).",
+        "a hundred times and more cheaper per page, tables come out one cell per line).",
     )
     ocr: Literal["auto", "always", "never"] = Field(
         default="auto",

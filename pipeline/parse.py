@@ -5,7 +5,7 @@ Formats (by extension): PDF (`.pdf`), Word (`.docx`), HTML (`.html`, `.htm`, `.x
 
 - PDF, EPUB and XPS are read by MuPDF (pymupdf). Their text is Markdown by default (`pdf_text="markdown"`:
   pymupdf4llm's layout analysis gives headings, lists, reading order across columns, and tables as Markdown tables)
-  or MuPDF's plain text (`pdf_text="plain"`, about a hundred times cheaper per page; see bench/parse_formats.py).
+  or MuPDF's plain text (`pdf_text="plain"`, a hundred times and more cheaper per page; see bench/parse_formats.py).
 - PDF pages without a usable text layer are recognised by OCR (`ocr="auto"`; `always`, `never`;
   pipeline/ocr.py). `Parsed.text_source` says how the text was obtained: `text` (from the file's own text),
   `ocr` (only recognised text) or `mixed` (both); None when no text came out.
