@@ -1,6 +1,6 @@
 """The `clover-batch` command line: thin typer commands that each call one function.
 
-Job commands (`validate`, `run`, `show`) live here; model commands (`model init`, `model inspect`, `generate`)
+Job commands (`validate`, `run`, `show`, `parse`) live here; model commands (`model init`, `model inspect`, `generate`)
 live in `jobs/model_cli.py` and are mounted below. Library code logs; only this module draws on the screen.
 
 `run` is a scheduler's task: its exit code is the outcome (jobs.runner.ExitCode), SIGINT and SIGTERM unwind the
@@ -19,6 +19,7 @@ import re
 import signal
 import sys
 from collections.abc import Iterator
+from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -316,6 +317,85 @@ def show(
             (text or "")[:200],
         )
     console.print(rows)
+
+
+class OcrChoice(StrEnum):
+    auto = "auto"
+    always = "always"
+    never = "never"
+
+
+class PdfTextChoice(StrEnum):
+    markdown = "markdown"
+    plain = "plain"
+
+
+PARSE_FAILED = 1  # exit status of `parse` for a document whose status is not ok (2 is a usage error, as everywhere)
+
+
+@app.command()
+def parse(
+    file: Annotated[str, typer.Argument(help="A document: local path or URI (s3://, gs://, az://, memory://).")],
+    ocr: Annotated[
+        OcrChoice | None,
+        typer.Option(help="OCR of PDF pages: auto (pages without a usable text layer), always, never. "
+                     "Default: the job's input.ocr, else auto."),
+    ] = None,
+    pdf_text: Annotated[
+        PdfTextChoice | None,
+        typer.Option("--pdf-text", help="PDF/EPUB/XPS text: markdown (layout, tables) or plain. Default: the job's "
+                     "input.pdf_text, else markdown."),
+    ] = None,
+    job: Annotated[
+        str | None,
+        typer.Option(help="Take the input settings (storage_options, pdf_text, ocr, fallback_encoding, max_pages, "
+                     "parse_timeout_s, max_file_bytes) from this job file; the options above override it."),
+    ] = None,
+    fallback_encoding: Annotated[
+        str | None, typer.Option("--fallback-encoding", help="Encoding tried when a text file is not UTF-8.")
+    ] = None,
+    timeout: Annotated[float | None, typer.Option(help="Most seconds the parse may take (parse_timeout_s).")] = None,
+    option: Annotated[
+        list[str] | None, typer.Option("--option", "-o", help="fsspec storage option key=value (repeatable).")
+    ] = None,
+) -> None:
+    """Print the text the model would be given for one document (before the prompt template).
+
+    stdout is the text alone, so it pipes; the status and how the text was obtained go to stderr. Exit status: 0
+    for an ok document, 1 for any other status (named on stderr, nothing on stdout), 2 for a usage error.
+    """
+    import dataclasses
+
+    import yaml
+    from clover_batch.jobs.parse_file import ParseSettings, parse_file
+
+    settings = ParseSettings()
+    if job is not None:
+        spec = _load(job, None).input
+        settings = ParseSettings(spec.storage_options, spec.max_file_bytes, spec.fallback_encoding,
+                                 spec.parse_timeout_s, spec.max_pages, spec.pdf_text, spec.ocr)
+    bad = [o for o in option or [] if "=" not in o]
+    if bad or (timeout is not None and timeout <= 0):
+        why = f"--option must be key=value, not {bad[0]!r}" if bad else "--timeout must be greater than 0"
+        err_console.print(f"[red]{why}[/red]", highlight=False)
+        raise typer.Exit(2)
+    overrides = {"ocr": ocr.value if ocr else None, "pdf_text": pdf_text.value if pdf_text else None,
+                 "fallback_encoding": fallback_encoding, "parse_timeout_s": timeout}
+    settings = dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+    if option:
+        extra = {k: yaml.safe_load(v) for k, _, v in (o.partition("=") for o in option)}
+        settings = dataclasses.replace(settings, storage_options={**settings.storage_options, **extra})
+    result = parse_file(file, settings)
+    p = result.parsed
+    if p.status != "ok":
+        err_console.print(f"{file}: {p.status}: {p.error}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(PARSE_FAILED)
+    sys.stdout.write(p.text)
+    sys.stdout.flush()
+    pages = "" if p.pages is None else f", {p.pages} page" + ("s" if p.pages != 1 else "")
+    err_console.print(
+        f"{file}: ok ({p.format}{pages}; text from {p.text_source}; pdf_text={settings.pdf_text}, ocr={settings.ocr}; "
+        f"{len(p.text)} characters in {result.seconds:.2f} s)", markup=False, highlight=False, soft_wrap=True)
 
 
 def main() -> None:

@@ -279,6 +279,8 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
         fallback_encoding=spec.input.fallback_encoding,
         parse_timeout_s=spec.input.parse_timeout_s,
         max_pages=spec.input.max_pages,
+        pdf_text=spec.input.pdf_text,
+        ocr=spec.input.ocr,
     )
 
 

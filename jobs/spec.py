@@ -37,7 +37,10 @@ class InputSpec(_Strict):
         "e.g. {endpoint_url, key, secret} for S3-compatible stores.",
     )
     max_file_bytes: int = Field(
-        default=256 * 2**20, gt=0, description="Files larger than this get status `too_large` without being read."
+        default=256 * 2**20,
+        gt=0,
+        description="Files larger than this get status `too_large` without being read; so does a DOCX, EPUB or XPS "
+        "(zip archives) whose parts would unpack to more than this.",
     )
     max_input_tokens: int = Field(
         default=1_048_576,
@@ -53,15 +56,28 @@ class InputSpec(_Strict):
     parse_timeout_s: float = Field(
         default=300,
         gt=0,
-        description="Most seconds one document may take to parse. PDFs are parsed in a child process of the "
-        "worker; one that runs past this is stopped and the document gets status `parse_timeout` (a parser crash "
-        "gives `parse_crashed`). The run goes on.",
+        description="Most seconds one document may take to parse, OCR of its pages included. PDF, DOCX, HTML, EPUB "
+        "and XPS documents are parsed in a child process of the worker; one that runs past this is stopped and the "
+        "document gets status `parse_timeout` (a parser crash gives `parse_crashed`). The run goes on.",
     )
     max_pages: int = Field(
         default=10_000,
         gt=0,
-        description="PDFs with more pages than this get status `too_many_pages` before any text is extracted. "
-        "The default is past what input.max_input_tokens admits at ordinary page densities.",
+        description="PDFs (and EPUB, XPS) with more pages than this get status `too_many_pages` before any text is "
+        "extracted or recognised. The default is past what input.max_input_tokens admits at ordinary page densities.",
+    )
+    pdf_text: Literal["markdown", "plain"] = Field(
+        default="markdown",
+        description="How PDF, EPUB and XPS pages become text: `markdown` (layout analysis by pymupdf4llm: headings, "
+        "lists, reading order across columns, tables as Markdown tables) or `plain` (MuPDF's text in content order: "
+        "a hundred times and more cheaper per page, tables come out one cell per line).",
+    )
+    ocr: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="OCR of PDF pages (RapidOCR, models shipped in its package, nothing downloaded): `auto` "
+        "recognises pages with no usable text layer (scans, unreadable fonts) and leaves the others alone; "
+        "`always` recognises every page and replaces its text layer; `never` does no OCR (a scan gets `no_text`). "
+        "A recognised page costs about a second of CPU, counted in input.parse_timeout_s.",
     )
     max_attempts: int = Field(
         default=2,

@@ -115,13 +115,18 @@ class ReadStage:
 
 
 class ParseStage:
-    """Bytes -> text (needs: data, source_uri). PDFs are parsed in this worker's child process, each within
-    `timeout_s` (pipeline/parse_process.py): a PDF that hangs or crashes MuPDF costs its own row, not the worker."""
+    """Bytes -> text (needs: data, source_uri). PDF, DOCX, HTML, EPUB and XPS documents are parsed in this worker's
+    child process, each within `timeout_s` (pipeline/parse_process.py): a document that hangs or crashes its parser
+    costs its own row, not the worker. Sets `format`, `pages` and `text_source` (how the text was obtained)."""
 
-    def __init__(self, fallback_encoding: str | None, timeout_s: float = 300.0, max_pages: int | None = None):
+    def __init__(self, fallback_encoding: str | None, timeout_s: float = 300.0, max_pages: int | None = None, *,
+                 pdf_text: str = "markdown", ocr: str = "auto", max_unpacked_bytes: int | None = None):
         self.fallback_encoding = fallback_encoding
         self.timeout_s = timeout_s
         self.max_pages = max_pages
+        self.pdf_text = pdf_text
+        self.ocr = ocr
+        self.max_unpacked_bytes = max_unpacked_bytes
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = to_rows(batch)
@@ -131,8 +136,11 @@ class ParseStage:
             with guarded(row, "parse"):
                 with timed(row, "parse"):
                     parsed = parse_isolated(row["source_uri"], row["data"], timeout_s=self.timeout_s,
-                                            fallback_encoding=self.fallback_encoding, max_pages=self.max_pages)
-                row.update(format=parsed.format, pages=parsed.pages, data=None, text=parsed.text)
+                                            fallback_encoding=self.fallback_encoding, max_pages=self.max_pages,
+                                            pdf_text=self.pdf_text, ocr=self.ocr,
+                                            max_unpacked_bytes=self.max_unpacked_bytes)
+                row.update(format=parsed.format, pages=parsed.pages, data=None, text=parsed.text,
+                           text_source=parsed.text_source)
                 if parsed.status != "ok":
                     fail(row, parsed.status, parsed.error)
         return to_table(rows)

@@ -54,7 +54,7 @@ def write_bad_docs(folder: Path) -> dict[str, str]:
     (folder / "empty.txt").write_bytes(b"")
     (folder / "binary.txt").write_bytes(bytes(range(256)) * 8)
     (folder / "latin1.txt").write_bytes("Caf\xe9 cr\xe8me, na\xefve r\xe9sum\xe9.".encode("latin-1"))
-    (folder / "slides.docx").write_bytes(b"PK\x03\x04 not really a docx")
+    (folder / "slides.pptx").write_bytes(b"PK\x03\x04 not really a pptx")
     make_pdf(folder / "scan.pdf", ["", ""])
     (folder / "huge.txt").write_text(words(600), encoding="utf-8")
     return {
@@ -64,7 +64,7 @@ def write_bad_docs(folder: Path) -> dict[str, str]:
         "empty.txt": "empty",
         "binary.txt": "binary",
         "latin1.txt": "decode_error",
-        "slides.docx": "unsupported_format",
+        "slides.pptx": "unsupported_format",
         "scan.pdf": "no_text",
         "huge.txt": "too_long",
     }
