@@ -137,7 +137,8 @@ def architecture_table(source: str) -> Table:
     ]
     from clover_batch.model import kernels
 
-    rows.append(("kernels", f"{kernels.describe()} ({kernels.KERNELS_ENV}=torch|fla|auto chooses)"))
+    rows.append(("kernels", f"{kernels.describe()} ({kernels.KERNELS_ENV}=torch|fla|auto, "
+                            f"{kernels.ATTENTION_ENV}=dense|flex|auto choose)"))
     for field, value in rows:
         table.add_row(field, value)
     return table
