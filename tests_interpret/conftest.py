@@ -41,6 +41,9 @@ import pytest
 REQUIRED_ENV = {"TRITON_INTERPRET": "1", "CLOVER_KERNELS": "fla", "CLOVER_ATTENTION": "flex"}
 for _name, _value in REQUIRED_ENV.items():
     os.environ.setdefault(_name, _value)
+# flex's C++ kernels without a precompiled header: building one for a fresh virtualenv (CI makes one every run) costs
+# more CPU (~60 s here) than the five flex compiles of these tests save by it (~3 s each)
+os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
 
 MISSING = [name for name in ("triton", "fla", "einops", "numpy") if importlib.util.find_spec(name) is None]
 

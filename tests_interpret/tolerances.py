@@ -3,7 +3,7 @@
 Everything here runs in fp32 (Triton's interpreter computes bf16 on raw bit patterns, see test_fla_kernels.py), and
 the interpreter does a `tl.dot` as an exact fp32 numpy matmul (on a GPU fp32 dots default to TF32). So fla and our
 kernels differ only by summation order and by the chunked algebra (UT transform, chunk-wise decay) against the
-token recurrence: measured max errors are ~1e-7 relative on kernel outputs and states, ~1e-6 on the tiny model's
+token recurrence: measured max errors are ~1e-7 relative on kernel outputs and states, ~3e-7 on the tiny model's
 logits. The bounds leave two orders of magnitude of room for other seeds and BLAS builds, and stay far below what a
 wrong convention (a head grouping, a decay in the wrong log base, a shifted conv tail) produces: errors of order 1.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 KERNEL_RTOL = 1e-5  # fla kernel vs our torch kernel: outputs and final states
-LOGITS_RTOL = 2e-3  # the model's logits, fla + flex vs torch + dense (the issue's bound; measured ~1e-6)
+LOGITS_RTOL = 2e-3  # the model's logits, fla + flex vs torch + dense (the issue's bound; measured ~3e-7)
 MASK_RTOL = 1e-5  # compiled flex_attention with the block mask vs SDPA with the dense mask
 
 
