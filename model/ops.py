@@ -422,7 +422,7 @@ class AttentionMask:
 
     all_visible: the caller knows on the host that every key is visible to every query (equal-length rows inside
     the window, a denoising block or one decode token): attention then needs no mask at all.
-    The dense mask (CPU) and flex's block mask (CUDA) are each built at most once per forward, on first use, and
+    The dense mask and flex's block mask are each built at most once per forward, on first use, and
     shared by every attention layer (their keys sit at the same positions).
     """
 
@@ -478,25 +478,29 @@ def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, 
     """Softmax attention with grouped KV heads. Returns [B, H, T, D].
 
     - every key visible (known on the host): one SDPA call without a mask;
-    - CUDA: flex_attention with the block mask (compiled), so skipped key blocks cost nothing and no dense mask
-      is built;
+    - the flex path (kernels.py: CUDA by default, CLOVER_ATTENTION=flex|dense forces it): flex_attention with the
+      block mask (compiled), so skipped key blocks cost nothing and no dense mask is built;
     - otherwise (CPU, the reference; and training, whose backward the block mask does not carry: it is built
       without query blocks): SDPA with the dense boolean mask, in query tiles (`attention_dense`).
     """
     if mask.all_visible:
         return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD,
                                               enable_gqa=q_BHTD.shape[1] != k_BHSD.shape[1])
-    if q_BHTD.is_cuda and not (torch.is_grad_enabled() and q_BHTD.requires_grad):
-        return _flex()(q_BHTD, k_BHSD, v_BHSD, block_mask=mask.block_mask(),
-                       enable_gqa=q_BHTD.shape[1] != k_BHSD.shape[1])
+    if kernels.flex_for(q_BHTD) and not (torch.is_grad_enabled() and q_BHTD.requires_grad):
+        return _flex(q_BHTD.is_cuda)(q_BHTD, k_BHSD, v_BHSD, block_mask=mask.block_mask(),
+                                     enable_gqa=q_BHTD.shape[1] != k_BHSD.shape[1])
     return attention_dense(q_BHTD, k_BHSD, v_BHSD, mask.dense())
 
 
 @functools.cache
-def _flex() -> Callable:
+def _flex(cuda: bool) -> Callable:
+    """flex_attention compiled: with dynamic shapes on CUDA (one kernel for every length); on a CPU
+    (CLOVER_ATTENTION=flex, to test the GPU's mask path) with static shapes, one compile per shape: with symbolic
+    lengths torch 2.13's C++ flex template emits code that g++ rejects for our mask_mod (key_pos[b, kv] against
+    q_pos[b, q]: undeclared `cur_kvSplitSize<n>`, invalid `cast<int32_t,1>`)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True)
+    return torch.compile(flex_attention, dynamic=cuda)
 
 
 def attention_dense(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, mask_BTS: torch.Tensor, *,

@@ -215,7 +215,57 @@ def test_kernel_choice_is_validated_and_auto_stays_off_fla_on_cpu(monkeypatch):
         kernels.selected.cache_clear()
         monkeypatch.setenv(kernels.KERNELS_ENV, "auto")
         if not torch.cuda.is_available():
-            assert kernels.selected() == "torch" and kernels.describe() == "torch"
+            assert kernels.selected() == "torch" and kernels.describe().startswith("torch; attention ")
             assert kernels.fla_for(torch.zeros(1)) is None
     finally:
         kernels.selected.cache_clear()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine fla runs on the device")
+def test_fla_on_a_cpu_is_refused_without_the_triton_interpreter(monkeypatch):
+    """CLOVER_KERNELS=fla with no CUDA device: a clear error, at selection and at the first forward, naming the one
+    way fla's kernels run on a CPU (TRITON_INTERPRET=1, tests_interpret/); never a silent fall back to torch."""
+    monkeypatch.setenv(kernels.KERNELS_ENV, "fla")
+    monkeypatch.delenv(kernels.INTERPRET_ENV, raising=False)
+    kernels.selected.cache_clear()
+    kernels.interpreted.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"CLOVER_KERNELS=fla: .*need a CUDA device.*TRITON_INTERPRET=1"):
+            kernels.selected()
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            load_model("tiny")(torch.tensor([[1, 2, 3]]))
+        for value, on in (("1", True), ("true", True), ("ON", True), ("0", False), ("", False)):
+            monkeypatch.setenv(kernels.INTERPRET_ENV, value)
+            kernels.interpreted.cache_clear()
+            assert kernels.interpreted() is on, value
+    finally:
+        kernels.selected.cache_clear()
+        kernels.interpreted.cache_clear()
+
+
+def test_attention_choice_is_validated_and_picks_the_mask_path(monkeypatch):
+    """CLOVER_ATTENTION: auto keeps flex on CUDA and dense elsewhere; flex and dense apply to every device; chosen
+    once per process and reported; `forced_attention` overrides it (to compare both paths in one process)."""
+    cpu = torch.zeros(1)
+    kernels.selected_attention.cache_clear()
+    try:
+        monkeypatch.setenv(kernels.ATTENTION_ENV, "sparse")
+        with pytest.raises(ValueError, match="CLOVER_ATTENTION='sparse': use one of auto, dense, flex"):
+            kernels.selected_attention()
+        for choice, flex_on_cpu, described in (("auto", False, "dense" if not torch.cuda.is_available() else
+                                                "flex on CUDA, dense elsewhere"),
+                                               ("flex", True, "flex (compiled for the CPU on CPU tensors)"),
+                                               ("dense", False, "dense")):
+            kernels.selected_attention.cache_clear()
+            monkeypatch.setenv(kernels.ATTENTION_ENV, choice)
+            assert kernels.flex_for(cpu) is flex_on_cpu, choice
+            assert kernels.describe().endswith(f"; attention {described}"), kernels.describe()
+            monkeypatch.setenv(kernels.ATTENTION_ENV, "auto")  # read once: a later change is not seen
+            assert kernels.flex_for(cpu) is flex_on_cpu, choice
+        with kernels.forced_attention("flex"):
+            assert kernels.flex_for(cpu) and kernels.describe().endswith("; attention flex (forced)")
+        assert not kernels.flex_for(cpu)
+        with pytest.raises(ValueError, match="'dense' or 'flex'"), kernels.forced_attention("auto"):
+            pass
+    finally:
+        kernels.selected_attention.cache_clear()
