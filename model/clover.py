@@ -144,7 +144,7 @@ class CloverModel(nn.Module):
         ctx = self._context(rows.query_positions(), attention, rows.window, plan)
         ctx.packing = rows.packing
         block = d.block_size if d is not None else 1
-        ctx.all_visible = rows.all_visible(attention, block, plan)
+        ctx.all_visible = rows.all_visible(attention, block, plan) and not rows.paged
         rows.write_key_positions(ctx.q_pos)
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):

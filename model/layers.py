@@ -24,7 +24,7 @@ from . import ops, preview
 from .config import CloverConfig
 from .moe import SparseMoE
 from .preview import PreviewPlan
-from .slots import Packing
+from .slots import Packing, PagedKeys
 from .state import AttentionLayerState, GDNLayerState
 
 
@@ -182,15 +182,21 @@ class AttentionContext:
     packing: Packing | None = None  # several sequences packed along the token axis of one row (slots.py)
     _masks: dict = field(default_factory=dict)
 
-    def mask(self, key_pos: torch.Tensor) -> ops.AttentionMask:
-        """The mask over these keys; layers whose keys sit at the same positions share one (built once). A packed
-        forward's queries are laid out per sequence here ([n, Tmax]), as attention runs them."""
-        key = (key_pos.data_ptr(), tuple(key_pos.shape), tuple(key_pos.stride()))
+    def mask(self, keys_at: torch.Tensor | PagedKeys) -> ops.AttentionMask | ops.PagedMask:
+        """The mask over these keys (their positions [B, S], or the page pool's tables); layers whose keys sit at
+        the same positions share one (built once). A packed forward's queries are laid out per sequence here
+        ([n, Tmax]), as attention runs them."""
+        key: tuple = ((keys_at.data_ptr(), tuple(keys_at.shape), tuple(keys_at.stride()))
+                      if isinstance(keys_at, torch.Tensor) else ("paged", id(keys_at.pool_pos)))
         if key not in self._masks:
             q_pos, visible = self.q_pos, self.visible_until
             if self.packing is not None:
                 q_pos, visible = q_pos[0][self.packing.unpack], visible[0][self.packing.unpack]
-            self._masks[key] = ops.AttentionMask(key_pos, q_pos, visible, self.window, self.all_visible)
+            if isinstance(keys_at, PagedKeys):
+                self._masks[key] = ops.PagedMask(keys_at.table, keys_at.pool_pos, keys_at.page_size, q_pos, visible,
+                                                 self.window)
+            else:
+                self._masks[key] = ops.AttentionMask(keys_at, q_pos, visible, self.window, self.all_visible)
         return self._masks[key]
 
 

@@ -474,8 +474,89 @@ class AttentionMask:
         return self._block
 
 
-def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+@dataclass
+class PagedMask:
+    """Which pool entries each query sees, for attention over the page pool itself (no gather; flex on CUDA):
+    entry kv holds position pool_pos[kv] of the sequence whose page it is. A query of row b sees it when it is row
+    b's own (row b's table maps that position's logical page to this physical page), written (pos >= 0), not after
+    visible_until and inside the window. The block mask visits only the row's pages that cover the positions its
+    queries can see, from the page table alone, with fixed-shape tensor ops (no host sync: CUDA graphs replay it)."""
+
+    table: torch.Tensor  # [B, M] physical page of each row's page-table column (-1: none)
+    pool_pos: torch.Tensor  # [N] position held by each pool entry (-1: none)
+    page_size: int
+    q_pos: torch.Tensor  # [B, T]
+    visible_until: torch.Tensor  # [B, T]
+    window: int
+    _block: Any = None
+
+    def mask_mod(self) -> Callable:
+        table, pool_pos, ps, q_pos, visible_until, window = (self.table, self.pool_pos, self.page_size, self.q_pos,
+                                                             self.visible_until, self.window)
+        M = table.shape[1]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            pos = pool_pos[kv_idx]
+            own = table[b, (pos.clamp(min=0) // ps) % M] == kv_idx // ps
+            return (pos >= 0) & own & (pos <= visible_until[b, q_idx]) & (pos > q_pos[b, q_idx] - window)
+
+        return mask_mod
+
+    def dense(self) -> torch.Tensor:
+        """Boolean [B, T, N]: the mask over the whole pool (the reference for tests)."""
+        N = self.pool_pos.shape[0]
+        kv = torch.arange(N, device=self.pool_pos.device)
+        pos = self.pool_pos[None, None, :]
+        own = self.table[:, (self.pool_pos.clamp(min=0) // self.page_size) % self.table.shape[1]] \
+            == (kv // self.page_size)[None, :]  # [B, N]
+        return ((pos >= 0) & own[:, None, :] & (pos <= self.visible_until[:, :, None])
+                & (pos > self.q_pos[:, :, None] - self.window))
+
+    def block_mask(self, q_block: int = FLEX_BLOCK) -> Any:
+        if self._block is None:
+            from torch.nn.attention.flex_attention import BlockMask
+
+            (B, T), M, ps = self.q_pos.shape, self.table.shape[1], self.page_size
+            kv_block = min(FLEX_BLOCK, ps)
+            if ps % kv_block:
+                raise ValueError(f"page_size {ps} must be a multiple of {kv_block} for flex attention over pages")
+            per_page = ps // kv_block
+            nq = -(-T // q_block)
+            pad_q = nq * q_block - T  # padded queries repeat the last one: they widen no interval
+            lo = F.pad(self.q_pos - self.window + 1, (0, pad_q), mode="replicate").view(B, nq, q_block).amin(-1)
+            hi = F.pad(self.visible_until, (0, pad_q), mode="replicate").view(B, nq, q_block).amax(-1)
+            lo_page = lo.clamp(min=0) // ps  # [B, nq]
+            cols = torch.arange(M, device=lo.device)
+            logical = lo_page[..., None] + (cols - lo_page[..., None]) % M  # the logical page in each column
+            physical = self.table[:, None, :].expand(B, nq, M)
+            keep = (logical <= (hi // ps)[..., None]) & (physical >= 0)  # [B, nq, M]
+            blocks = (physical[..., None] * per_page + torch.arange(per_page, device=lo.device)).flatten(-2)
+            keep = keep[..., None].expand(B, nq, M, per_page).flatten(-2)
+            order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
+            indices = torch.where(keep, blocks, 0).gather(-1, order).to(torch.int32)
+            counts = keep.sum(-1, dtype=torch.int32)
+            self._block = BlockMask.from_kv_blocks(counts[:, None], indices[:, None], BLOCK_SIZE=(q_block, kv_block),
+                                                   mask_mod=self.mask_mod(),
+                                                   seq_lengths=(T, self.pool_pos.shape[0]),
+                                                   compute_q_blocks=False)
+        return self._block
+
+
+def attention_paged(q_BHTD: torch.Tensor, keys_NHD: torch.Tensor, values_NHD: torch.Tensor,
+                    mask: PagedMask) -> torch.Tensor:
+    """Softmax attention of each row's queries over the page pool (flex_attention, compiled: only the row's pages
+    are visited). Returns [B, H, T, D]."""
+    k = keys_NHD.permute(1, 0, 2)[None]  # [1, Hkv, N, D]: one pool, shared by every row (flex broadcasts it)
+    v = values_NHD.permute(1, 0, 2)[None]
+    return _flex(q_BHTD.is_cuda)(q_BHTD, k, v, block_mask=mask.block_mask(),
+                                 enable_gqa=q_BHTD.shape[1] != k.shape[1])
+
+
+def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
+              mask: AttentionMask | PagedMask) -> torch.Tensor:
     """Softmax attention with grouped KV heads. Returns [B, H, T, D].
+
+    - over the engine's page pool (a PagedMask; k, v: the pool [N, Hkv, D]): flex_attention (`attention_paged`);
 
     - every key visible (known on the host): one SDPA call without a mask;
     - the flex path (kernels.py: CUDA by default, CLOVER_ATTENTION=flex|dense forces it): flex_attention with the
@@ -483,6 +564,8 @@ def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, 
     - otherwise (CPU, the reference; and training, whose backward the block mask does not carry: it is built
       without query blocks): SDPA with the dense boolean mask, in query tiles (`attention_dense`).
     """
+    if isinstance(mask, PagedMask):
+        return attention_paged(q_BHTD, k_BHSD, v_BHSD, mask)
     if mask.all_visible:
         return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD,
                                               enable_gqa=q_BHTD.shape[1] != k_BHSD.shape[1])

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .config import CloverConfig
 from .pages import PagePool, pages_for
 from .preview import PreviewPlan
@@ -88,6 +89,16 @@ def slot_bytes(config: CloverConfig, dtype: torch.dtype, *, window: int, max_for
         page=page_size * (n_attn * 2 * config.num_key_value_heads * config.head_dim * itemsize + 8),
         page_size=page_size,
     )
+
+
+@dataclass
+class PagedKeys:
+    """What attention over the page pool itself needs (ops.PagedMask): each row's page table and every entry's
+    position. Returned by AttentionSlots.extended instead of gathered keys on the flex path."""
+
+    table: torch.Tensor  # [B, M] the forward's rows' page tables
+    pool_pos: torch.Tensor  # [N]
+    page_size: int
 
 
 @dataclass
@@ -267,6 +278,9 @@ class SlotRows:
         self.any_commit = self.all_commit or bool(local)
         self.commit_mask: torch.Tensor | None = None  # static rows: which rows commit, on the device
         self.packing: Packing | None = None
+        # flex (CUDA by default): attention reads the pool itself through a block mask from the page tables;
+        # otherwise each row's live keys are gathered (the dense reference, CPU)
+        self.paged = kernels.flex_for(state.positions)
         # keys each row reads: its last min(L, window - 1) committed keys and the new ones, the longest row's count
         self.reads = max(min(n, self.window - 1) for n in lengths) + tokens
         self._index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -360,14 +374,17 @@ class SlotRows:
         page = torch.where(page >= 0, page, st.pool.num_pages)
         return page * ps + q_pos % ps
 
-    def index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def index(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(write [B, T] or [1, T]: the new tokens' pool entries; read [B, K]: the entries each row reads, padding
-        on the null page; key_pos [B, K]: their positions, -1 = padding). Built once per forward on the device,
-        shared by every attention layer."""
+        on the null page; key_pos [B, K]: their positions, -1 = padding; read and key_pos None on the paged path).
+        Built once per forward on the device, shared by every attention layer."""
         if self._index is None:
             st, K = self.state, self.reads
             q_pos = self.query_positions()
             write = self._entries(q_pos)
+            if self.paged:
+                self._index = (write, None, None)
+                return self._index
             # each row reads positions (last - K, last]: its last new token and the keys before it
             last = self.positions + (self._new if self.packing is not None else self.tokens) - 1  # [B]
             pos = last[:, None] - (K - 1) + torch.arange(K, device=st.device)  # [B, K]
@@ -382,7 +399,7 @@ class SlotRows:
 
     def write_key_positions(self, q_pos_BT: torch.Tensor) -> None:
         """Record the new tokens' positions in the pool (shared by every attention layer)."""
-        write, _, _ = self.index()
+        write = self.index()[0]
         self.state.pool_pos.index_copy_(0, write.reshape(-1), q_pos_BT.reshape(-1))
 
     def layer(self, index: int) -> GDNSlots | AttentionSlots:
@@ -442,10 +459,11 @@ class AttentionSlots:
     def __init__(self, rows: SlotRows, index: int) -> None:
         self.rows, self.index = rows, index
 
-    def extended(self, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor,
-                 q_pos_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionSlots]:
+    def extended(self, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, q_pos_BT: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | PagedKeys, AttentionSlots]:
         """Write the new keys/values at their pool entries; return (keys [B, Hkv, K, D], values, key_pos [B, K])
-        each row reads (packed forwards: B is the number of sequences)."""
+        each row reads (packed forwards: B is the number of sequences); on the paged path the pool itself
+        ([N, Hkv, D]) and the tables that say whose entries are whose (PagedKeys)."""
         keys = self.rows.state.keys[self.index]
         values = self.rows.state.values[self.index]
         assert keys is not None and values is not None
@@ -454,4 +472,7 @@ class AttentionSlots:
         keys.index_copy_(0, flat, k_BHTD.transpose(1, 2).reshape(flat.shape[0], *keys.shape[1:]).to(keys.dtype))
         values.index_copy_(0, flat, v_BHTD.transpose(1, 2).reshape(flat.shape[0], *values.shape[1:])
                            .to(values.dtype))
+        if read is None:
+            st = self.rows.state
+            return keys, values, PagedKeys(st.table[self.rows.start:self.rows.end], st.pool_pos, st.page_size), self
         return keys[read].transpose(1, 2), values[read].transpose(1, 2), key_pos, self

@@ -194,3 +194,62 @@ def test_varlen_kernels_equal_each_sequence_alone():
         torch.testing.assert_close(y[part], ref_y[0])
         torch.testing.assert_close(new_tails[i], ref_tail[0])
         start += n
+
+
+def test_attention_over_the_page_pool_equals_attention_over_the_gathered_keys(models):
+    """The flex path reads the pool itself through a block mask built from the page tables (ops.PagedMask); the
+    dense path gathers each row's live keys. On real engine state (prompts of several lengths, some past the
+    window, mid-decode), both give the same attention, the block mask visits only each row's own pages, and its
+    mask_mod admits exactly what the gathered positions say."""
+    import warnings
+
+    from clover_batch.model import ops
+    from torch.nn.attention.flex_attention import flex_attention
+
+    model = models["tiny-ar"]
+    options = DecodeOptions(window_tokens=24, prefill_chunk_tokens=16, max_new_tokens=40)
+    engine = Engine(model, options, max_slots=3, page_size=4)
+    with torch.inference_mode():  # uncompiled flex multiplies every pool entry (masked ones by 0): no garbage
+        for t in (*engine.slots.keys, *engine.slots.values):
+            if t is not None:
+                t.zero_()
+    for i, prompt in enumerate([list(range(10, 60)), list(range(40, 45)), list(range(100, 130))]):
+        engine.add(Request(str(i), prompt))
+    while len(engine.decoding) < 3:
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    slots, T = engine.slots, 2
+    lengths = [lv.length for lv in engine.decoding]
+    gen = torch.Generator().manual_seed(0)
+    cfg = model.config
+    k = torch.randn(3, cfg.num_key_value_heads, T, cfg.head_dim, generator=gen)
+    v = torch.randn(3, cfg.num_key_value_heads, T, cfg.head_dim, generator=gen)
+    q = torch.randn(3, cfg.num_attention_heads, T, cfg.head_dim, generator=gen)
+    layer = next(i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention")
+    with torch.inference_mode():
+        for lv in engine.decoding:
+            slots.grow(lv.slot, lv.length + T)
+        dense_rows = slots.rows(0, lengths, T, None)
+        dense_rows.paged = False
+        q_pos = dense_rows.query_positions()
+        keys, values, key_pos, _ = dense_rows.layer(layer).extended(k, v, q_pos)
+        expected = ops.attention_dense(q, keys, values, ops.AttentionMask(key_pos, q_pos, q_pos, 24).dense())
+        paged_rows = slots.rows(0, lengths, T, None)
+        paged_rows.paged = True
+        paged_rows.write_key_positions(q_pos)
+        pool_k, pool_v, paged, _ = paged_rows.layer(layer).extended(k, v, q_pos)
+        mask = ops.PagedMask(paged.table, paged.pool_pos, paged.page_size, q_pos, q_pos, 24)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # flex_attention uncompiled (the exact, slow form) on a CPU
+            got = flex_attention(q, pool_k.permute(1, 0, 2)[None], pool_v.permute(1, 0, 2)[None],
+                                 block_mask=mask.block_mask(), enable_gqa=True)
+        dense = mask.dense()  # [B, T, N]: which pool entries each query may see
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for r, lv in enumerate(engine.decoding):
+        seen = sorted(int(slots.pool_pos[e]) for e in dense[r, -1].nonzero().flatten())
+        last = int(q_pos[r, -1])
+        assert seen == [p for p in key_pos[r].tolist() if p >= 0 and last - 24 < p <= last]  # its window exactly
+        held = set(slots.pool.tables[lv.slot].pages)
+        visited = mask.block_mask().kv_indices[r, 0, 0, :int(mask.block_mask().kv_num_blocks[r, 0, 0])].tolist()
+        assert visited and set(visited) <= held  # only the row's own pages (a 4-token page is one key block)

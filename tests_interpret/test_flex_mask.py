@@ -1,9 +1,8 @@
-"""flex_attention's block mask, built from the engine's slot positions (ops.AttentionMask.block_mask), through
-flex_attention compiled for the CPU, against SDPA with the dense mask built from the same positions.
+"""flex_attention over the engine's page pool: the block mask built from page tables (ops.PagedMask.block_mask),
+through flex_attention compiled for the CPU, against SDPA over the same pool with the dense mask.
 
-The shapes are those of the GPU's static decode step in test_model_interpret.py's diffusion run (4 rows, a merged
-commit of 2 blocks, the whole ring of the tiny preset's 256-token window): on a CPU flex compiles once per shape
-(ops._flex), and this test and that run share the compile.
+The shapes are those of the GPU's static decode step (4 rows, a merged commit of 2 blocks of the tiny preset, each
+row free to read a whole 256-token window): on a CPU flex compiles once per shape (ops._flex).
 """
 
 from __future__ import annotations
@@ -14,49 +13,56 @@ from clover_batch.model import from_preset, kernels, ops
 from clover_batch.model.slots import SlotRows, SlotState
 from tolerances import MASK_RTOL, assert_close
 
-CHUNK, T = 24, 16  # the engine's prefill chunk (ring = window + chunk) and a merged commit: two blocks of 8
-LENGTHS = [0, 5, 150, 400]  # committed tokens per slot: empty, short (most of the ring empty), inside the window,
-# and one that wrapped its ring and sees only the window's last positions
+CHUNK, T, PAGE = 24, 16, 128  # the engine's prefill chunk, a merged commit (two blocks of 8), a flex block per page
+LENGTHS = [0, 5, 150, 400]  # committed tokens per slot: empty, short, inside the window, and one whose window
+# has slid past its first pages (which went back to the pool)
 
 
-def _slot_mask(attention: str) -> ops.AttentionMask:
-    """The mask of one static decode forward of T tokens over slots holding LENGTHS, from the slots' ring."""
+@torch.inference_mode()
+def _paged(attention: str) -> tuple[SlotState, ops.PagedMask]:
+    """A static decode forward of T tokens over slots holding LENGTHS: pages, positions and the mask over them."""
     config = from_preset("tiny")
-    slots = SlotState(config, len(LENGTHS), window=config.window_tokens, max_forward_tokens=CHUNK)
-    R = slots.capacity
-    for slot, length in enumerate(LENGTHS):  # what committing forwards wrote: position p at ring entry p % R
-        positions = torch.arange(length)
-        slots.key_pos[slot, positions % R] = positions
+    window = config.window_tokens
+    slots = SlotState(config, len(LENGTHS), window=window, max_forward_tokens=CHUNK, num_pages=16, page_size=PAGE)
+    for slot, length in enumerate(LENGTHS):  # what committing forwards left: pages for the window, then T more
+        slots.grow(slot, length + T)
+        slots.slide(slot, length - window + 1)
+        live = torch.arange(max(0, length - window + 1), length)
+        table = slots.pool.tables[slot]
+        entries = torch.tensor([table.physical(int(p) // PAGE) * PAGE + int(p) % PAGE for p in live], dtype=torch.long)
+        if len(live):
+            slots.pool_pos[entries] = live
         slots.positions[slot] = length
+    for t in (*slots.keys, *slots.values):
+        if t is not None:
+            t.normal_()  # keys and values everywhere, pages nobody holds included: none of them may be read
     rows = SlotRows.static(slots, 0, len(LENGTHS), T, torch.ones(len(LENGTHS), dtype=torch.bool))
-    q_pos = rows.positions[:, None] + torch.arange(T)  # [B, T]
+    assert rows.paged, "CLOVER_ATTENTION=flex reads the pool through page tables"
+    q_pos = rows.query_positions()
     rows.write_key_positions(q_pos)
     block = config.diffusion.block_size
     visible_until = q_pos.clone() if attention == "causal" else (q_pos // block + 1) * block - 1
-    return ops.AttentionMask(slots.key_pos[:, :rows.read], q_pos, visible_until, slots.window)
+    return slots, ops.PagedMask(slots.table, slots.pool_pos, PAGE, q_pos, visible_until, window)
 
 
 @pytest.mark.parametrize("attention", ["block_causal", "causal"])
 @torch.inference_mode()  # as the engine runs it (and so the compile is shared)
-def test_block_mask_from_slot_positions_equals_the_dense_mask(attention):
-    mask = _slot_mask(attention)
-    B, S = mask.key_pos.shape
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(B, 4, T, 16, generator=gen)  # the tiny preset's attention: 4 query heads over 2 KV heads
-    k = torch.randn(B, 2, S, 16, generator=gen)
-    v = torch.randn(B, 2, S, 16, generator=gen)
-    assert kernels.flex_for(q), "CLOVER_ATTENTION=flex takes flex_attention on CPU tensors"
-    got = ops.attention(q, k, v, mask)  # compiled flex_attention with mask.block_mask()
-    with kernels.forced_attention("dense"):
-        want = ops.attention(q, k, v, mask)
-    assert_close(got, want, MASK_RTOL, f"{attention}: flex vs dense")
-    assert_close(got, ops.attention_reference(q, k, v, mask.dense()), MASK_RTOL, f"{attention}: flex vs eager")
+def test_block_mask_from_page_tables_equals_the_dense_mask(attention):
+    slots, mask = _paged(attention)
+    layer = next(i for i, t in enumerate(slots.keys) if t is not None)
+    keys, values = slots.keys[layer], slots.values[layer]  # [N, Hkv, D]
+    B = len(LENGTHS)
+    q = torch.randn(B, 4, T, 16, generator=torch.Generator().manual_seed(0))  # the tiny preset: 4 query heads
+    assert kernels.flex_for(q)
+    got = ops.attention(q, keys, values, mask)  # compiled flex_attention over the pool
+    k = keys.permute(1, 0, 2)[None].expand(B, -1, -1, -1)
+    v = values.permute(1, 0, 2)[None].expand(B, -1, -1, -1)
+    dense = mask.dense()  # [B, T, N]
+    assert_close(got, ops.attention_reference(q, k, v, dense), MASK_RTOL, f"{attention}: flex over pages vs eager")
 
     kept = mask.block_mask().kv_num_blocks[:, 0, 0]  # [B]: key blocks flex reads for the one query block
     kv_indices = mask.block_mask().kv_indices[:, 0, 0]
-    n_blocks = -(-S // ops.FLEX_BLOCK)
-    assert int(kept.min()) < n_blocks, "no key block was skipped"
-    seen_BK = torch.nn.functional.pad(mask.dense().any(1), (0, n_blocks * ops.FLEX_BLOCK - S)).view(B, n_blocks, -1)
-    for b in range(B):  # skipping is exact: every key block holding a visible key is read
-        needed = set(seen_BK[b].any(-1).nonzero().flatten().tolist())
-        assert needed <= set(kv_indices[b, :int(kept[b])].tolist()), (b, needed)
+    for b, slot_pages in enumerate(slots.pool.tables[s].pages for s in range(B)):
+        visited = set(kv_indices[b, :int(kept[b])].tolist())
+        needed = set((dense[b].any(0).nonzero().flatten() // PAGE).tolist())
+        assert needed <= visited <= set(slot_pages), (b, needed, visited)  # exact: its own pages, every one needed
