@@ -272,6 +272,7 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
         gpus_per_replica=spec.resources.gpus_per_replica,
         batch_size=spec.resources.batch_size,
         max_slots=spec.resources.max_slots,
+        kv_page_tokens=spec.resources.kv_page_tokens,
         max_attempts=spec.input.max_attempts,
         rows_per_file=spec.output.rows_per_file,
         max_file_bytes=spec.input.max_file_bytes,

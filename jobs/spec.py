@@ -217,9 +217,23 @@ class ResourcesSpec(_Strict):
         default=16,
         ge=1,
         description="Documents one replica decodes at once (its engine's slots, continuous batching). Fewer are "
-        "used if the replica's memory cannot hold this many (each slot holds a document's state: the recurrent "
-        "state and the attention window's keys and values).",
+        "used if the replica's memory cannot hold this many (each slot holds a document's fixed-size state: the "
+        "recurrent state and its decode block; attention keys and values are in pages, see kv_page_tokens).",
     )
+    kv_page_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="Positions per page of attention keys and values. A replica's memory holds slots (each "
+        "document's fixed recurrent state) and a pool of pages that documents take as they grow and give back as "
+        "their window slides, so short documents do not pay for the whole window. Up to 128, or a multiple of 128 "
+        "(flex attention's key blocks).",
+    )
+
+    @model_validator(mode="after")
+    def _page_tokens(self) -> ResourcesSpec:
+        if self.kv_page_tokens > 128 and self.kv_page_tokens % 128:
+            raise ValueError(f"kv_page_tokens must be at most 128 or a multiple of 128, got {self.kv_page_tokens}")
+        return self
 
 
 class RunSpec(_Strict):

@@ -67,6 +67,7 @@ DEFAULT_MAX_SLOTS = 64  # when max_slots is not given: as many as fit, up to thi
 CUDA_BUDGET_FRACTION = 0.8  # of the device memory free when the engine starts (the rest: activations, fragmentation)
 CPU_BUDGET_FRACTION = 0.5  # of the RAM available when the engine starts
 PAGE_SIZE = 256  # positions per page of keys and values (a multiple of flex_attention's 128-token blocks)
+FLEX_KEY_BLOCK = 128  # a page of more positions must hold whole key blocks of flex attention (ops.FLEX_BLOCK)
 RESERVE_FRACTION = 0.01  # of the pool kept free at admission for the running sequences' growth (vLLM's watermark)
 
 
@@ -182,8 +183,9 @@ class Engine:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         if decode_steps_per_prefill < 0:
             raise ValueError(f"decode_steps_per_prefill must be >= 0, got {decode_steps_per_prefill}")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if page_size < 1 or (page_size > FLEX_KEY_BLOCK and page_size % FLEX_KEY_BLOCK):
+            raise ValueError(f"page_size must be in [1, {FLEX_KEY_BLOCK}] or a multiple of {FLEX_KEY_BLOCK} "
+                             f"(flex attention's key blocks), got {page_size}")
         self.model, self.options, self.config = model, options, cfg
         self.window, self.chunk = options.window(cfg), options.chunk(cfg)
         self.stops = frozenset(options.stops(cfg))

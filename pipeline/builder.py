@@ -52,6 +52,7 @@ class PipelineOptions:
     gpus_per_replica: float = 0.0
     batch_size: int = 4  # documents per Ray batch into the infer actors
     max_slots: int = 16  # documents one replica's engine decodes at once
+    kv_page_tokens: int = 256  # positions per page of attention keys and values
     max_attempts: int = 2  # process deaths with a document inside before it gets a `crashed` row
     rows_per_file: int = 64
     max_file_bytes: int = 256 * 2**20

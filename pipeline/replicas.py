@@ -59,7 +59,7 @@ def start_replicas(opts: PipelineOptions) -> Iterator[list[ActorHandle]]:
     )
     replicas = [
         actor.remote(model=opts.model, decode=opts.decode, num_threads=max(1, int(opts.cpus_per_replica)),
-                     max_slots=opts.max_slots, output=opts.output, run_id=opts.run_id,
+                     max_slots=opts.max_slots, page_size=opts.kv_page_tokens, output=opts.output, run_id=opts.run_id,
                      max_attempts=opts.max_attempts, job_name=opts.job_name, replica_index=i)
         for i in range(opts.replicas)
     ]

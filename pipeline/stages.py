@@ -191,7 +191,7 @@ class InferStage:
     Ray can always restart it.
     """
 
-    def __init__(self, model: ModelRef, decode: DecodeOptions, num_threads: int, max_slots: int,
+    def __init__(self, model: ModelRef, decode: DecodeOptions, num_threads: int, max_slots: int, page_size: int = 256,
                  output: Location | None = None, run_id: str = "", max_attempts: int = 2, job_name: str = "",
                  replica_index: int = 0):
         import ray
@@ -225,7 +225,7 @@ class InferStage:
                 self.model = self.replica.model
             else:
                 self.model = load_model(model.local(), device=device, dtype=dtype, overrides=model.overrides)
-            return Engine(self.model, decode, max_slots=max_slots)
+            return Engine(self.model, decode, max_slots=max_slots, page_size=page_size)
 
         # a dead worker rank of an expert-parallel replica: restart the workers, rerun what was in flight
         recover = (lambda: self.replica.restart()) if model.expert_parallel > 1 else None  # type: ignore[union-attr]
@@ -235,8 +235,10 @@ class InferStage:
         self.engine = self.loop.engine
         self.kernels = (f"{kernels.describe()}; CUDA graphs {'on' if self.engine.static else 'off'}; "
                         f"{self.model.dtype} on {device}")
-        log.info("replica loaded %s on %s: %d slots of %.1f MiB", self.model.config.name, device,
-                 self.engine.num_slots, self.engine.slot_bytes.total / 2**20)
+        b = self.engine.slot_bytes
+        log.info("replica loaded %s on %s: %d slots of %.1f MiB, %d pages of %d positions (%.2f MiB each)",
+                 self.model.config.name, device, self.engine.num_slots, b.fixed / 2**20, self.engine.num_pages,
+                 b.page_size, b.page / 2**20)
 
     def _admitted(self, entering: dict[str, bool]) -> None:
         """On the engine loop's records thread, before documents enter the engine: record their attempts. Their
