@@ -10,6 +10,16 @@ Parts:
   whenever possible, 1 = alternate, 4); outputs checked token-identical across all of them.
 - ar16: autoregressive decode at 16 active sequences, ours vs transformers' generate at batch 16 on the same weights
   (greedy outputs checked identical first). Decode time = run(n tokens) - run(1 token), as bench/decode.py.
+- prefill: 48 prompts of 64-2048 tokens (log-uniform), ours (the engine at the checkpoint's own window, 65,536,
+  every prompt admitted at once, packed prefill) vs transformers' forward over length-sorted, left-padded batches
+  of 8 (`logits_to_keep=1`), on one checkpoint written by `save_checkpoint` and read back by both; first tokens
+  compared. Then, in a fresh process, peak RSS of our prefill against weights + the pages and slots it needs.
+- capacity: documents of 2K, 16K and 128K tokens admitted in 60 GB at Clover-35B-A3B's shape (computed from the
+  engine's own accounting, not run), with every slot reserving a whole window (before paged KV) and with pages.
+- mixing: what vLLM's chunked prefill would gain here: one packed forward of a prefill chunk (C tokens of a
+  prompt 1,024 tokens in) together with 16 decode rows (1 token each, 256 committed), against the two forwards
+  the engine runs now (the chunk alone, then the 16 rows' decode step); on the slots directly, positions reset
+  after each forward so every repeat does the same work.
 - steps: decode step time with 1K vs 16K committed tokens per slot (8 slots, window 32K, diffusion k=4), and the
   share of the step spent copying state: every aten op that copies from or into the slot buffers (clone, copy_,
   index_copy_, scatter_, cat, index_select, ...) is timed inside the step, against the step's plain wall time.
@@ -137,6 +147,165 @@ def part_ar16(args) -> list[str]:
             f"{theirs_s / ours_s:.2f}x"]
 
 
+def _prefill_prompts(n: int = 48, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [int(math.exp(rng.uniform(math.log(64), math.log(2048)))) for _ in range(n)]
+    return [[rng.randrange(3, 256) for _ in range(t)] for t in lengths]
+
+
+def _prefill_rss(path: str, threads: int, queue) -> None:
+    """In a fresh process: RSS once the checkpoint is loaded, then peak RSS over our prefill of the 48 prompts."""
+    import resource
+
+    torch.set_num_threads(threads)
+    model = load_model(path)
+    prompts = _prefill_prompts()
+    with open("/proc/self/status") as f:
+        loaded = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    engine = Engine(model, DecodeOptions(max_new_tokens=1, stop_token_ids=()), max_slots=len(prompts))
+    for i, p in enumerate(prompts):
+        engine.add(Request(str(i), p))
+    while engine.has_work:
+        engine.step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    sb = engine.slot_bytes
+    need = len(prompts) * sb.fixed + sum(-(-(len(p) + 1) // sb.page_size) for p in prompts) * sb.page
+    queue.put((loaded, peak, need, engine.stats.peak_pages))
+
+
+def part_prefill(args) -> list[str]:
+    import multiprocessing
+
+    from transformers import Qwen3_5MoeForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    prompts = _prefill_prompts()
+    tokens = sum(len(p) for p in prompts)
+    lines = []
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(load_model(f"{args.preset}-ar", seed=0), tmp)
+        ours = load_model(tmp)
+        theirs = Qwen3_5MoeForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        window = DecodeOptions().window(ours.config)
+
+        def run_ours() -> list[int]:
+            return [g.tokens[0] for g in generate(ours, prompts, max_new_tokens=1, stop_token_ids=[])]
+
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+
+        def run_theirs() -> list[int]:
+            first = [0] * len(prompts)
+            with torch.no_grad():
+                for b in range(0, len(order), 8):
+                    group = order[b:b + 8]
+                    width = max(len(prompts[i]) for i in group)
+                    ids = torch.tensor([[0] * (width - len(prompts[i])) + prompts[i] for i in group])
+                    mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in group])
+                    logits = theirs(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+                    for i, t in zip(group, logits[:, -1].argmax(-1).tolist(), strict=True):
+                        first[i] = t
+            return first
+
+        got, want = run_ours(), run_theirs()  # warm-up, and the first tokens compared
+        same = sum(a == b for a, b in zip(got, want, strict=True))
+        ours_s = min(_timed(run_ours) for _ in range(args.reps))
+        theirs_s = min(_timed(run_theirs) for _ in range(args.reps))
+        lines += [f"prefill of 48 prompts of 64-2048 tokens ({tokens} tokens; our window {window}, the "
+                  f"checkpoint's; first tokens equal for {same}/48):",
+                  f"  ours {tokens / ours_s:.0f} tokens/s, transformers (length-sorted padded batches of 8) "
+                  f"{tokens / theirs_s:.0f} tokens/s: {theirs_s / ours_s:.2f}x"]
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_prefill_rss, args=(tmp, args.threads, queue))
+        child.start()
+        loaded, peak, need, peak_pages = queue.get()
+        child.join()
+    lines += [f"  peak RSS of our prefill (fresh process): {peak / 2**20:.0f} MiB; after loading the checkpoint "
+              f"{loaded / 2**20:.0f} MiB, + the prompts' pages and 48 slots {need / 2**20:.0f} MiB = "
+              f"{(loaded + need) / 2**20:.0f} MiB: {peak / (loaded + need):.2f}x (peak pages taken: {peak_pages})"]
+    return lines
+
+
+def part_capacity(args) -> list[str]:
+    from clover_batch.model.config import from_preset
+    from clover_batch.model.engine import RESERVE_FRACTION
+    from clover_batch.model.slots import slot_bytes
+
+    cfg = from_preset("clover-35b-a3b")
+    options = DecodeOptions()
+    window, chunk = options.window(cfg), options.chunk(cfg)
+    block = cfg.diffusion.block_size if cfg.diffusion is not None else 1
+    forward = max(chunk, 2 * block) + block
+    budget = 60 * 10**9
+    sb = slot_bytes(cfg, torch.bfloat16, window=window, max_forward_tokens=forward, page_size=256)
+    per_token = sb.page / sb.page_size
+    whole_window = sb.fixed + (window + forward) * per_token  # before: every slot held a window of keys
+    lines = [f"sequences admitted in 60 GB at clover-35b-a3b's shape (bf16, window {window}; computed): a slot's "
+             f"fixed state {sb.fixed / 2**20:.1f} MiB, a page of 256 positions {sb.page / 2**20:.2f} MiB",
+             f"  {'document':>10} {'whole windows':>14} {'pages':>8}"]
+    for doc in (2048, 16384, 131072):
+        # a decoding sequence holds its document's pages and its block's; a prefill chunk's pages are transient
+        paged = int(budget * (1 - RESERVE_FRACTION) // sb.sequence(doc, window, 2 * block))
+        lines.append(f"  {doc:>10} {int(budget // whole_window):>14} {paged:>8}")
+    return lines
+
+
+def part_mixing(args) -> list[str]:
+    from clover_batch.model.slots import SlotState
+
+    model = load_model(f"{args.preset}-ar", seed=0)
+    cfg, dev = model.config, model.device
+    rows, done, prompt_at = 16, 256, 1024
+    chunks = [c for c in (64, 256, 1024) if c <= DecodeOptions().chunk(cfg)]
+    state = SlotState(cfg, rows + 1, window=32768, max_forward_tokens=max(chunks), num_pages=64, page_size=256,
+                      device=dev, dtype=model.dtype)
+    gen = torch.Generator().manual_seed(5)
+    ids = lambda *shape: torch.randint(3, 256, shape, generator=gen).to(dev)  # noqa: E731
+    for slot in range(rows):
+        state.grow(slot, done + 1)
+    state.grow(rows, prompt_at + max(chunks))
+    with torch.no_grad():  # the sequences' committed tokens, for real
+        model.forward_slots(ids(1, rows * done + prompt_at), state.packed(0, [0] * (rows + 1), [done] * rows +
+                            [prompt_at]), attention="causal", keep_logits=0)
+    saved = state.positions.clone()
+    lengths = [done] * rows
+
+    def forward(fn) -> float:
+        with torch.no_grad():
+            start = time.perf_counter()
+            fn()
+            seconds = time.perf_counter() - start
+        state.positions.copy_(saved)
+        return seconds
+
+    lines = [f"prefill chunk + 16 decode rows in one packed forward vs two forwards (ms, best of {args.reps + 2}):",
+             f"  {'chunk':>6} {'chunk alone':>12} {'decode alone':>13} {'both, apart':>12} {'packed together':>16}"
+             f" {'apart / together':>17}"]
+    def row(c: int) -> str:
+        x_chunk, x_dec, x_mix = ids(1, c), ids(rows, 1), ids(1, rows + c)
+
+        def alone():
+            model.forward_slots(x_chunk, state.packed(rows, [prompt_at], [c]), attention="causal", keep_logits=0,
+                                logits_at=[c - 1])
+
+        def decode():
+            model.forward_slots(x_dec, state.rows(0, lengths, 1, None), attention="causal", keep_logits=1)
+
+        def mixed():
+            model.forward_slots(x_mix, state.packed(0, [*lengths, prompt_at], [*[1] * rows, c]), attention="causal",
+                                keep_logits=0, logits_at=[*range(rows), rows + c - 1])
+
+        for fn in (alone, decode, mixed):
+            forward(fn)  # warm-up
+        t_chunk, t_dec, t_mix = ([min(forward(fn) for _ in range(args.reps + 2)) for fn in (alone, decode, mixed)])
+        return (f"  {c:>6} {t_chunk * 1e3:12.1f} {t_dec * 1e3:13.1f} {(t_chunk + t_dec) * 1e3:12.1f} "
+                f"{t_mix * 1e3:16.1f} {(t_chunk + t_dec) / t_mix:16.2f}x")
+
+    lines += [row(c) for c in chunks]
+    return lines
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -199,7 +368,7 @@ def part_steps(args) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench", help="diffusion preset; PRESET-ar is its autoregressive twin")
-    ap.add_argument("--parts", nargs="+", default=["mixed", "ar16", "steps"])
+    ap.add_argument("--parts", nargs="+", default=["mixed", "ar16", "prefill", "capacity", "mixing", "steps"])
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--mixed-modes", nargs="+", default=["autoregressive", "diffusion"])
     ap.add_argument("--policies", type=int, nargs="+", default=[0, 1, 4], help="decode steps per prefill step")
@@ -215,7 +384,10 @@ def main() -> None:
              " ".join(f"{x:.1f}" for x in os.getloadavg()))
     lines = []
     for part in args.parts:
-        lines += [*{"mixed": part_mixed, "ar16": part_ar16, "steps": part_steps}[part](args), ""]
+        parts = {"mixed": part_mixed, "ar16": part_ar16, "prefill": part_prefill, "capacity": part_capacity,
+                 "mixing": part_mixing,
+                 "steps": part_steps}
+        lines += [*parts[part](args), ""]
     print("\n".join(lines))  # the report is this script's output
 
 

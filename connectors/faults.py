@@ -58,9 +58,26 @@ def hook(point: str, fn: Callable[[], None]) -> Iterator[None]:
         _hooks.pop(point, None)
 
 
+def _started(pid: int) -> str:
+    """The process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat); "" where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return ""
+
+
+def counter_path(name: str, pid: int | None = None) -> str:
+    """The file counting how often the run of driver `pid` (default: this run's) reached `name`. Keyed by the
+    driver's pid and start time: pids are reused (pid_max is often 32768), and a counter left by an earlier run
+    with the same pid would make this one fault early."""
+    if pid is None:
+        pid = int(os.environ.get(FAULT_PID_ENV, os.getpid()))
+    return os.path.join(tempfile.gettempdir(), f"clover-batch-fault-{pid}-{_started(pid)}-{name}")
+
+
 def _count(name: str) -> int:
-    pid = int(os.environ.get(FAULT_PID_ENV, os.getpid()))
-    counter = os.path.join(tempfile.gettempdir(), f"clover-batch-fault-{pid}-{name}")
+    counter = counter_path(name)
     fd = os.open(counter, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         os.write(fd, b"x")  # appends are atomic, so processes count together

@@ -211,6 +211,26 @@ def gdn_recurrent(
     return out.transpose(1, 2), S
 
 
+def gdn_step(
+    q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, g_BTH: torch.Tensor, beta_BTH: torch.Tensor,
+    state_BHKV: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gdn_recurrent` for one token (T = 1: an autoregressive decode step), as batched matmuls over (B*H): the
+    decayed state is the only new [B, H, K, V] tensor, updated in place by the rank-one delta, and it is read
+    three times (S^T k, the update, S^T q) instead of the reference's elementwise products and sums."""
+    B, _, H, Kd = q_BTHK.shape
+    Vd = v_BTHV.shape[-1]
+    scale = Kd ** -0.5
+    q, k = (t.float().reshape(B * H, 1, Kd) for t in (q_BTHK, k_BTHK))  # [BH, 1, K]
+    v = v_BTHV.float().reshape(B * H, 1, Vd)
+    a = g_BTH.float().exp().reshape(B * H, 1, 1)
+    S = state_BHKV.float().reshape(B * H, Kd, Vd) * a  # a new tensor: the state given is never written
+    delta = (v - torch.bmm(k, S)).mul_(beta_BTH.float().reshape(B * H, 1, 1))  # [BH, 1, V]
+    S.baddbmm_(k.transpose(1, 2), delta)  # S += k delta^T
+    o = torch.bmm(q, S).mul_(scale)  # [BH, 1, V]
+    return o.reshape(B, H, 1, Vd).transpose(1, 2), S.reshape(B, H, Kd, Vd)
+
+
 def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  scale: float) -> tuple[torch.Tensor, ...]:
     """Everything of the chunked gated delta rule that depends on one chunk alone, for a batch of chunks
@@ -364,7 +384,7 @@ def gated_delta_rule(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.T
                                       chunk=_chunk_for(max(lengths)))
         return o[None], state
     if T == 1:
-        return gdn_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV)
+        return gdn_step(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV)
     return gdn_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV, chunk=_chunk_for(T))
 
 
@@ -534,9 +554,17 @@ class PagedMask:
             keep = keep[..., None].expand(B, nq, M, per_page).flatten(-2)
             order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
             indices = torch.where(keep, blocks, 0).gather(-1, order).to(torch.int32)
+            # as many index columns as the pool has key blocks: flex's CPU kernel sizes its KV loop by them (only
+            # the first `counts` are read)
+            width = -(-self.pool_pos.shape[0] // kv_block)
+            indices = F.pad(indices, (0, max(0, width - indices.shape[-1])))
             counts = keep.sum(-1, dtype=torch.int32)
-            self._block = BlockMask.from_kv_blocks(counts[:, None], indices[:, None], BLOCK_SIZE=(q_block, kv_block),
-                                                   mask_mod=self.mask_mod(),
+            # no block is declared full (every visited block runs the mask); the empty full-block tensors are
+            # passed all the same: torch 2.13's CPU flex kernel for a one-query decode refers to them
+            self._block = BlockMask.from_kv_blocks(counts[:, None], indices[:, None],
+                                                   torch.zeros_like(counts[:, None]),
+                                                   torch.zeros_like(indices[:, None]),
+                                                   BLOCK_SIZE=(q_block, kv_block), mask_mod=self.mask_mod(),
                                                    seq_lengths=(T, self.pool_pos.shape[0]),
                                                    compute_q_blocks=False)
         return self._block

@@ -62,6 +62,25 @@ def test_gdn_chunked_equals_recurrence(case):
     assert o.dtype == S.dtype == torch.float32
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 16, 16), (16, 8, 64, 64), (1, 5, 7, 9)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gdn_step_equals_recurrence(shape, dtype):
+    """The one-token step (autoregressive decode: batched matmuls) against the reference recurrence, from a
+    non-zero state, with bf16 activations as a bf16 model feeds them; the given state is left as it was."""
+    B, H, K, V = shape
+    q, k, v, g, beta, state = gdn_inputs(B, 1, H, K, V, seed=B * H + K, state_scale=1.0)
+    q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))
+    state_before = state.clone()
+    o_ref, S_ref = ops.gdn_recurrent(q, k, v, g, beta, state)
+    o, S = ops.gdn_step(q, k, v, g, beta, state)
+    assert o.shape == o_ref.shape and S.shape == S_ref.shape and o.dtype == S.dtype == torch.float32
+    assert_close(o, o_ref, 1e-5, "output")
+    assert_close(S, S_ref, 1e-5, "final state")
+    assert torch.equal(state, state_before)
+    o2, S2 = ops.gated_delta_rule(q, k, v, g, beta, state)  # the dispatch takes it for T = 1
+    assert torch.equal(o2, o) and torch.equal(S2, S)
+
+
 @pytest.mark.parametrize("chunk", [16, 32, 64, 128])
 def test_gdn_chunk_size_does_not_change_result(chunk):
     q, k, v, g, beta, state = gdn_inputs(2, 150, 3, 16, 16, seed=1, state_scale=1.0)

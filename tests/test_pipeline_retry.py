@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
+from clover_batch.connectors.faults import counter_path
 from clover_batch.connectors.fs import Location, list_document_table
 from clover_batch.connectors.sink import OutputLock, read_output, write_part
 from clover_batch.jobs.runner import DEFAULT_RETRY_STATUSES, pipeline_options, plan_run, run
@@ -135,8 +135,8 @@ def test_write_worker_killed_after_its_commit_is_retried_without_doubling(ray_se
     cmd = [sys.executable, "-m", "clover_batch.jobs.cli", "run", str(job), "--address", ray_session]
     proc = subprocess.Popen(cmd, env={**os.environ, "CLOVER_BATCH_FAULT": "committed:2:exit"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    counter = counter_path("committed", proc.pid)  # while it runs: the name holds the driver's start time
     output, _ = proc.communicate(timeout=240)
-    counter = os.path.join(tempfile.gettempdir(), f"clover-batch-fault-{proc.pid}-committed")
     try:
         assert proc.returncode == 0, output  # the driver lived; Ray retried the task
         assert os.path.getsize(counter) >= 5  # 4 parts committed, and the killed task's commits done again

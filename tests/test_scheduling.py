@@ -14,12 +14,12 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 import uuid
 from collections import Counter
 
+from clover_batch.connectors.faults import counter_path
 from clover_batch.connectors.fs import Location
 from clover_batch.connectors.sink import committed_parts, read_output
 from clover_batch.jobs.cli import app
@@ -126,6 +126,7 @@ def test_sigint_and_sigterm_exit_130_and_143_after_releasing_the_lock(ray_sessio
         _memos(docs, [f"memo-{round_}-{i}.txt" for i in range(3)])  # new documents: this run has work to do
         before = len(committed_parts(Location(str(out))))
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        counter = counter_path("committed", proc.pid)  # while it runs: the name holds the driver's start time
         try:
             deadline = time.monotonic() + 180
             while len(committed_parts(Location(str(out)))) == before:
@@ -135,7 +136,6 @@ def test_sigint_and_sigterm_exit_130_and_143_after_releasing_the_lock(ray_sessio
             _, stderr = proc.communicate(timeout=120)
         finally:
             proc.kill()
-            counter = os.path.join(tempfile.gettempdir(), f"clover-batch-fault-{proc.pid}-committed")
             if os.path.exists(counter):
                 os.remove(counter)
         assert proc.returncode == code, stderr
