@@ -180,3 +180,38 @@ def test_checkpoint_answers_held_out_documents(demo, one_thread):
     assert sum(sims) / len(sims) >= 0.5, sims
     tokens = sum(len(g.tokens) for g in ext + summ)
     assert tokens / sum(g.denoising_steps for g in ext + summ) > 1.5  # threshold decoding fills >1 per step
+
+
+def test_train_demo_resumes_an_interrupted_run_to_the_same_weights(tmp_path, one_thread):
+    """A seconds-long train-demo (a small shape, both phases) killed after phase 1 and continued with
+    `resume=True` writes exactly the checkpoint of an uninterrupted run, from its saved recipe; the resume state is
+    removed once the checkpoint is written, and an existing checkpoint is never overwritten by accident."""
+    import torch
+    from clover_batch.jobs.demo_model import RESUME, Recipe, train_demo
+    from safetensors.torch import load_file
+
+    shape = DemoShape(vocab_size=384, hidden_size=32, attention_heads=2, kv_heads=1, head_dim=16, gdn_value_heads=2,
+                      gdn_key_heads=1, gdn_head_dim=16, experts=2, expert_width=16, shared_expert_width=16,
+                      window_tokens=64)
+    recipe = Recipe(ar_steps=2, bd_steps=2, batch_size=2, save_every=1, threads=1, tokenizer_docs=40,
+                    ar_warmup=1, bd_warmup=1)
+    whole = train_demo(tmp_path / "whole", recipe, shape)
+
+    class Killed(Exception):
+        pass
+
+    def kill(phase: str, step: int, model, maker) -> None:
+        if phase == "autoregressive" and step == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_demo(tmp_path / "cut", recipe, shape, on_log=kill)
+    assert (tmp_path / "cut" / RESUME / "state.pt").exists() and not (tmp_path / "cut" / "model.safetensors").exists()
+    with pytest.raises(FileExistsError, match="--resume"):
+        train_demo(tmp_path / "cut", recipe, shape)
+    resumed = train_demo(tmp_path / "cut", resume=True)  # the recipe and shape come from the saved run
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [p["loss"] for p in resumed["phases"]] == [p["loss"] for p in whole["phases"]]
+    assert len(resumed["sessions"]) == 2 and not (tmp_path / "cut" / RESUME).exists()
+    assert resumed["recipe"] == whole["recipe"]
