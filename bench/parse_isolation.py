@@ -8,8 +8,9 @@ exactly the in-process ones. A fresh child per document is timed on the first --
     python bench/parse_isolation.py --docs 40 --max-pages 40 --repeats 3
     python bench/parse_isolation.py --docs 40 --examples --repeats 3
 
-Prints ms per document and the ratio to in-process. The persistent child's start is printed apart: a Ray worker
-pays it once, on its first PDF.
+PDFs are read as plain text without OCR (the cheapest parse, where the round trip weighs most; Markdown and OCR
+costs are bench/parse_formats.py's). Prints ms per document and the ratio to in-process. The persistent child's
+start is printed apart: a Ray worker pays it once, on its first PDF.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def main() -> None:
         corpus = [examples[i % len(examples)] for i in range(args.docs)]
     else:
         corpus = make_corpus(args.docs, args.max_pages, args.seed)
-    reference = [parse_document("doc.pdf", data) for data in corpus]
+    reference = [parse_document("doc.pdf", data, pdf_text="plain", ocr="never") for data in corpus]
     pages = sum(r.pages for r in reference)
     print(f"corpus: {len(corpus)} PDFs, {pages} pages, {sum(map(len, corpus)) / 2**20:.1f} MiB "
           f"({pages / len(corpus):.1f} pages per document)")
@@ -68,10 +69,11 @@ def main() -> None:
     parser = IsolatedParser()
     try:
         start = time.perf_counter()
-        first = parser.parse_pdf(corpus[0], timeout_s=300)
+        first = parser.parse_pdf(corpus[0], timeout_s=300, pdf_text="plain", ocr="never")
         startup = time.perf_counter() - start
         # warm both ways up (imports, font caches), and check the child gives exactly the in-process results
-        if [first] + [parser.parse_pdf(d, timeout_s=300) for d in corpus[1:]] != reference:
+        rest = [parser.parse_pdf(d, timeout_s=300, pdf_text="plain", ocr="never") for d in corpus[1:]]
+        if [first, *rest] != reference:
             raise SystemExit("the child's results differ from in-process parsing")
         in_process, child = [], []
         for rep in range(args.repeats):
@@ -80,9 +82,9 @@ def main() -> None:
                 for way in ((0, 1) if (i + rep) % 2 == 0 else (1, 0)):
                     start = time.perf_counter()
                     if way == 0:
-                        parse_document("doc.pdf", data)
+                        parse_document("doc.pdf", data, pdf_text="plain", ocr="never")
                     else:
-                        parser.parse_pdf(data, timeout_s=300)
+                        parser.parse_pdf(data, timeout_s=300, pdf_text="plain", ocr="never")
                     (in_process if way == 0 else child).append(time.perf_counter() - start)
     finally:
         parser.close()
@@ -91,7 +93,7 @@ def main() -> None:
         start = time.perf_counter()
         one = IsolatedParser()
         try:
-            one.parse_pdf(data, timeout_s=300)
+            one.parse_pdf(data, timeout_s=300, pdf_text="plain", ocr="never")
         finally:
             one.close()
         fresh.append(time.perf_counter() - start)

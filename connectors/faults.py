@@ -5,6 +5,8 @@ of the run on this machine (counted in a file under the temp folder, keyed by th
 workers as `CLOVER_BATCH_FAULT_PID`). Actions:
 - `kill` (default): SIGKILL the driver and this process, at the n-th time and every later one: the whole run dies.
 - `exit`: SIGKILL only this process, exactly the n-th time: a Ray worker dies while the driver lives (Ray retries).
+- `stall`: this process hangs there, exactly the n-th time (a stuck worker): the run stays in progress until it is
+  interrupted (the interruption tests signal the driver then).
 Points: `listing`, `inference` (after a generate() call), `writing` (the part's bytes exist only as a temporary),
 `committing` (the part is staged, its lock check not done yet), `checked` (the check passed, the part is not
 published yet), `committed` (the part is visible), `swapping`
@@ -25,6 +27,7 @@ import logging
 import os
 import signal
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 FAULT_ENV = "CLOVER_BATCH_FAULT"
 FAULT_PID_ENV = "CLOVER_BATCH_FAULT_PID"
 FAULT_DOC_ENV = "CLOVER_BATCH_FAULT_DOC"
+STALL_S = 600.0  # how long a `stall` fault hangs: longer than any test waits
 
 _hooks: dict[str, Callable[[], None]] = {}
 
@@ -78,6 +82,11 @@ def fault_point(name: str) -> None:
         return
     count, _, action = rest.partition(":")
     reached, wanted = _count(name), int(count or 1)
+    if action == "stall":
+        if reached == wanted:
+            log.warning("fault injection: process %d stalls at %s", os.getpid(), name)
+            time.sleep(STALL_S)
+        return
     if action == "exit":
         if reached == wanted:
             log.warning("fault injection: process %d exits at %s", os.getpid(), name)

@@ -1,14 +1,25 @@
 """The `clover-batch` command line: thin typer commands that each call one function.
 
-Job commands (`validate`, `run`, `show`) live here; model commands (`model init`, `model inspect`, `generate`)
+Job commands (`validate`, `run`, `show`, `parse`) live here; model commands (`model init`, `model inspect`, `generate`)
 live in `jobs/model_cli.py` and are mounted below. Library code logs; only this module draws on the screen.
+
+`run` is a scheduler's task: its exit code is the outcome (jobs.runner.ExitCode), SIGINT and SIGTERM unwind the
+run (its lock is released) before it exits 130 / 143, and with `--json` stdout carries the run report alone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
 import logging
+import os
 import re
+import signal
+import sys
+from collections.abc import Iterator
+from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -27,6 +38,8 @@ console = Console()
 err_console = Console(stderr=True)
 
 JobArg = Annotated[str, typer.Argument(help="Path to the job YAML file.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout and nothing else there; "
+                                       "progress and logs go to stderr.")]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override a job field: key.path=value (repeatable), e.g. resources.replicas=2."),
@@ -78,6 +91,37 @@ def masked(value, *, inside_options: bool = False):
     return value
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt, so the run unwinds (and releases its lock)."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _stdout_kept_for(json_: bool) -> Iterator[Console]:
+    """The console progress and tables go to. With --json: stderr, and while the run runs, file descriptor 1 points
+    at stderr too, so whatever a library prints cannot land in the JSON document printed after it."""
+    if not json_:
+        yield console
+        return
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # not a file (typer's CliRunner): nothing to move
+        yield err_console
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    os.dup2(sys.stderr.fileno(), fd)
+    try:
+        yield err_console
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
 @app.command()
 def run(
     job: JobArg,
@@ -98,10 +142,26 @@ def run(
         typer.Option("--retry-status", help="With --retry-failed, or alone: retry rows of this status instead "
                      "(repeatable), e.g. --retry-status invalid_output."),
     ] = None,
+    fail_on_status: Annotated[
+        list[str] | None,
+        typer.Option("--fail-on-status", help="Count rows of this document status as failures, exit 3 "
+                     "(repeatable), besides the job's run.fail_on_status, e.g. --fail-on-status encrypted."),
+    ] = None,
+    json_: JsonOpt = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show library logs.")] = False,
 ) -> None:
-    """Run a job: every new document of the input gets one row in the output's Parquet files."""
-    from clover_batch.jobs.runner import DEFAULT_RETRY_STATUSES
+    """Run a job: every new document of the input gets one row in the output's Parquet files.
+
+    Exit codes, judged on the output's rows of every listed document (earlier runs' rows too):
+    0 every document has a row and none failed;
+    3 the run completed, but some rows are failures (read_error, inference_error, internal_error, crashed, or a
+    status named in run.fail_on_status / --fail-on-status): rerun with --retry-failed;
+    1 the run itself failed (model, storage, cluster, another run writing the output);
+    2 bad job file or usage (nothing was run);
+    130 / 143 interrupted by SIGINT / SIGTERM (the output's lock released, finished rows kept).
+    """
+    from clover_batch.connectors.sink import OutputConflict
+    from clover_batch.jobs.runner import DEFAULT_RETRY_STATUSES, ExitCode, UsageError
     from clover_batch.jobs.runner import run as run_job
 
     logging.basicConfig(
@@ -122,26 +182,62 @@ def run(
         TimeElapsedColumn(),
         TextColumn("{task.fields[statuses]}"),
     ]
-    with Progress(*columns, console=console, transient=False) as bar:
-        task_id = bar.add_task(spec.name, total=None, statuses="listing")
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        with _stdout_kept_for(json_) as screen:
+            with Progress(*columns, console=screen, transient=False) as bar:
+                task_id = bar.add_task(spec.name, total=None, statuses="listing")
 
-        def on_progress(p) -> None:
-            statuses = " ".join(f"{k}={v}" for k, v in sorted(p.by_status.items()))
-            bar.update(task_id, total=p.total, completed=p.done, statuses=statuses)
+                def on_progress(p) -> None:
+                    statuses = " ".join(f"{k}={v}" for k, v in sorted(p.by_status.items()))
+                    bar.update(task_id, total=p.total, completed=p.done, statuses=statuses)
 
-        try:
-            result = run_job(spec, address=address, on_progress=on_progress, retry_statuses=retry)
-        except Exception as e:  # a run-level failure (model cannot load, storage unreachable): say it plainly
-            if verbose:
-                raise
-            import ray.exceptions
+                result = run_job(spec, address=address, on_progress=on_progress, retry_statuses=retry,
+                                 fail_on_status=fail_on_status or ())
+            if not json_:
+                _print_report(result.report)
+                console.print(f"run report: {result.report_uri}")
+    except (KeyboardInterrupt, Terminated) as e:
+        code = ExitCode.INTERRUPTED if isinstance(e, KeyboardInterrupt) else ExitCode.TERMINATED
+        err_console.print(f"[red]run interrupted ({'SIGINT' if code == ExitCode.INTERRUPTED else 'SIGTERM'}): "
+                          "the output's lock is released and finished documents are kept; run again to go on[/red]",
+                          highlight=False, soft_wrap=True)
+        raise typer.Exit(code) from None
+    except (UsageError, OutputConflict) as e:  # the job or the command line must change: no point in retrying
+        err_console.print(f"[red]{job}: {e}[/red]", highlight=False, soft_wrap=True)
+        raise typer.Exit(ExitCode.BAD_JOB) from None
+    except Exception as e:  # a run-level failure (model cannot load, storage unreachable): say it plainly
+        if verbose:
+            raise
+        import ray.exceptions
 
-            message = _ray_message(e) if isinstance(e, ray.exceptions.RayError) else f"{type(e).__name__}: {e}"
-            err_console.print(f"[red]run failed: {message}[/red]", highlight=False, soft_wrap=True)
-            err_console.print("(rerun with --verbose for the traceback; finished documents are kept)")
-            raise typer.Exit(1) from None
-    _print_report(result.report)
-    console.print(f"run report: {result.report_uri}")
+        message = _ray_message(e) if isinstance(e, ray.exceptions.RayError) else f"{type(e).__name__}: {e}"
+        err_console.print(f"[red]run failed: {message}[/red]", highlight=False, soft_wrap=True)
+        err_console.print("(rerun with --verbose for the traceback; finished documents are kept)")
+        raise typer.Exit(ExitCode.RUN_FAILED) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    report = result.report
+    if json_:
+        typer.echo(json.dumps(report.to_json()))
+    if report.failures:
+        _print_failures(report, job)
+    raise typer.Exit(report.exit_code)
+
+
+def _print_failures(report: RunReport, job: str) -> None:
+    infra = {s: n for s, n in report.failures.items() if s not in report.fail_on_status}
+    named = {s: n for s, n in report.failures.items() if s in report.fail_on_status}
+    counts = ", ".join(f"{s}={n}" for s, n in report.failures.items())
+    err_console.print(f"[yellow]{sum(report.failures.values())} documents have failed rows ({counts})[/yellow]",
+                      highlight=False, soft_wrap=True)
+    if infra:
+        err_console.print(f"{', '.join(infra)}: failures of the infrastructure; rerun with `clover-batch run {job} "
+                          "--retry-failed` to run those documents again", highlight=False, soft_wrap=True)
+    if named:
+        err_console.print(f"{', '.join(named)}: named in fail_on_status; `--retry-status "
+                          f"{' --retry-status '.join(named)}` runs those documents again", highlight=False,
+                          soft_wrap=True)
 
 
 def _ray_message(e: Exception) -> str:
@@ -186,14 +282,18 @@ def show(
         list[str] | None, typer.Option("--option", "-o", help="fsspec storage option key=value (repeatable).")
     ] = None,
     samples: Annotated[int, typer.Option(help="Sample rows per status.")] = 2,
+    json_: JsonOpt = False,
 ) -> None:
-    """Show an output folder: rows by status and a few sample rows."""
+    """Show an output folder: rows by status and a few sample rows. Exits 1 when it holds no committed rows."""
     import yaml
     from clover_batch.connectors.fs import Location
     from clover_batch.jobs.inspect_output import summarize_output
 
     options = {k: yaml.safe_load(v) for k, _, v in (o.partition("=") for o in option or [])}
     summary = summarize_output(Location(output, options), samples=samples)
+    if json_:
+        typer.echo(json.dumps(dataclasses.asdict(summary)))
+        raise typer.Exit(0 if summary.rows else 1)
     if not summary.rows:
         err_console.print(f"no committed rows under {output}")
         raise typer.Exit(1)
@@ -217,6 +317,85 @@ def show(
             (text or "")[:200],
         )
     console.print(rows)
+
+
+class OcrChoice(StrEnum):
+    auto = "auto"
+    always = "always"
+    never = "never"
+
+
+class PdfTextChoice(StrEnum):
+    markdown = "markdown"
+    plain = "plain"
+
+
+PARSE_FAILED = 1  # exit status of `parse` for a document whose status is not ok (2 is a usage error, as everywhere)
+
+
+@app.command()
+def parse(
+    file: Annotated[str, typer.Argument(help="A document: local path or URI (s3://, gs://, az://, memory://).")],
+    ocr: Annotated[
+        OcrChoice | None,
+        typer.Option(help="OCR of PDF pages: auto (pages without a usable text layer), always, never. "
+                     "Default: the job's input.ocr, else auto."),
+    ] = None,
+    pdf_text: Annotated[
+        PdfTextChoice | None,
+        typer.Option("--pdf-text", help="PDF/EPUB/XPS text: markdown (layout, tables) or plain. Default: the job's "
+                     "input.pdf_text, else markdown."),
+    ] = None,
+    job: Annotated[
+        str | None,
+        typer.Option(help="Take the input settings (storage_options, pdf_text, ocr, fallback_encoding, max_pages, "
+                     "parse_timeout_s, max_file_bytes) from this job file; the options above override it."),
+    ] = None,
+    fallback_encoding: Annotated[
+        str | None, typer.Option("--fallback-encoding", help="Encoding tried when a text file is not UTF-8.")
+    ] = None,
+    timeout: Annotated[float | None, typer.Option(help="Most seconds the parse may take (parse_timeout_s).")] = None,
+    option: Annotated[
+        list[str] | None, typer.Option("--option", "-o", help="fsspec storage option key=value (repeatable).")
+    ] = None,
+) -> None:
+    """Print the text the model would be given for one document (before the prompt template).
+
+    stdout is the text alone, so it pipes; the status and how the text was obtained go to stderr. Exit status: 0
+    for an ok document, 1 for any other status (named on stderr, nothing on stdout), 2 for a usage error.
+    """
+    import dataclasses
+
+    import yaml
+    from clover_batch.jobs.parse_file import ParseSettings, parse_file
+
+    settings = ParseSettings()
+    if job is not None:
+        spec = _load(job, None).input
+        settings = ParseSettings(spec.storage_options, spec.max_file_bytes, spec.fallback_encoding,
+                                 spec.parse_timeout_s, spec.max_pages, spec.pdf_text, spec.ocr)
+    bad = [o for o in option or [] if "=" not in o]
+    if bad or (timeout is not None and timeout <= 0):
+        why = f"--option must be key=value, not {bad[0]!r}" if bad else "--timeout must be greater than 0"
+        err_console.print(f"[red]{why}[/red]", highlight=False)
+        raise typer.Exit(2)
+    overrides = {"ocr": ocr.value if ocr else None, "pdf_text": pdf_text.value if pdf_text else None,
+                 "fallback_encoding": fallback_encoding, "parse_timeout_s": timeout}
+    settings = dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+    if option:
+        extra = {k: yaml.safe_load(v) for k, _, v in (o.partition("=") for o in option)}
+        settings = dataclasses.replace(settings, storage_options={**settings.storage_options, **extra})
+    result = parse_file(file, settings)
+    p = result.parsed
+    if p.status != "ok":
+        err_console.print(f"{file}: {p.status}: {p.error}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(PARSE_FAILED)
+    sys.stdout.write(p.text)
+    sys.stdout.flush()
+    pages = "" if p.pages is None else f", {p.pages} page" + ("s" if p.pages != 1 else "")
+    err_console.print(
+        f"{file}: ok ({p.format}{pages}; text from {p.text_source}; pdf_text={settings.pdf_text}, ocr={settings.ocr}; "
+        f"{len(p.text)} characters in {result.seconds:.2f} s)", markup=False, highlight=False, soft_wrap=True)
 
 
 def main() -> None:

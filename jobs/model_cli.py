@@ -182,7 +182,8 @@ def architecture_table(source: str) -> Table:
         else:
             rows.append(("preview", "the model's own forward over the block (block-causal attention, causal GDN)",
                          "preview_operator trunk"))
-    rows.append(("kernels", kernels.describe(), f"{kernels.KERNELS_ENV}=torch|fla|auto chooses"))
+    rows.append(("kernels", kernels.describe(),
+                 f"{kernels.KERNELS_ENV}=torch|fla|auto, {kernels.ATTENTION_ENV}=dense|flex|auto choose"))
     for field, value, where in rows:
         table.add_row(field, value, where)
     return table

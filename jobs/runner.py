@@ -5,17 +5,26 @@ run is committed in exactly one part under the output lock (connectors/sink.py).
 
     connect_ray (local, a cluster's host:port, or ray:// where the run itself executes on the cluster)
     -> plan_run (clean up, publish parts left staged, list, subtract the done set; retried documents flagged)
-    -> execute (the Ray Data pipeline; progress; retried rows swapped in as their parts come back)
-    -> RunReport (typed; written as JSON next to the output)
+    -> execute (the run's replica actors and the Ray Data pipeline; progress; metrics; retried rows swapped in as
+       their parts come back)
+    -> RunReport (typed; written as JSON next to the output), with the outcome a scheduler acts on (`ExitCode`)
+
+The outcome is judged on the output as this run leaves it, for the documents listed now: a row of an earlier run
+that failed (`crashed`, ...) keeps a plain re-run at exit 3 until `--retry-failed` fixes it, so a scheduler never
+loses a failure by running again, and a re-run with nothing new gives the same answer as the run before it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import enum
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 import uuid
 from collections import Counter
@@ -42,14 +51,32 @@ from clover_batch.connectors.sink import (
 from clover_batch.jobs.preflight import check_model
 from clover_batch.jobs.spec import JobSpec
 from clover_batch.pipeline.builder import PipelineOptions, build_pipeline
+from clover_batch.pipeline.metrics import RunMetrics
 from clover_batch.pipeline.postprocess import FieldRule
+from clover_batch.pipeline.replicas import start_replicas
 from clover_batch.pipeline.rows import INFRASTRUCTURE_STATUSES, STAGES, STATUSES
 from clover_batch.pipeline.stages import ModelRef, TaskRef
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0  # an explicit cluster address must answer within this, else the run fails naming it
+STOP_TIMEOUT_S = 60.0  # an interrupted ray:// client waits this long for the run on the cluster to stop
 DEFAULT_RETRY_STATUSES = INFRASTRUCTURE_STATUSES  # what `run --retry-failed` runs again unless told otherwise
+
+
+class ExitCode(enum.IntEnum):
+    """What `clover-batch run` exits with; README's Scheduling section says what a scheduler does with each."""
+
+    OK = 0  # every listed document has a row, and none has a failing status
+    RUN_FAILED = 1  # the run itself failed (model, storage, cluster, another run holding the output)
+    BAD_JOB = 2  # the job file or the command line cannot be used (UsageError, OutputConflict, a bad field)
+    FAILED_ROWS = 3  # completed, but some listed documents' rows are failures: rerun with --retry-failed
+    INTERRUPTED = 128 + signal.SIGINT  # 130: SIGINT (Ctrl-C); the lock was released, finished rows are kept
+    TERMINATED = 128 + signal.SIGTERM  # 143: SIGTERM (a scheduler stopping the task); the same
+
+
+class UsageError(ValueError):
+    """The job or the command line asks for something that cannot be done (exit 2); nothing was written."""
 
 
 @dataclass
@@ -78,6 +105,10 @@ class RunReport:
     retried: int  # listed documents whose failed row was run again (run --retry-failed)
     processed: int  # documents this run wrote a row for
     by_status: dict[str, int]  # this run's rows by status
+    documents_by_status: dict[str, int]  # the rows of every listed document after this run (earlier runs' too)
+    fail_on_status: list[str]  # document statuses counted as failures (run.fail_on_status, --fail-on-status)
+    failures: dict[str, int]  # of documents_by_status, the failing ones: infrastructure or fail_on_status
+    exit_code: int  # ExitCode: 0, or 3 when there are failures
     output_rows: int  # rows in the output after this run
     removed_temporaries: int  # files a killed run left half-written, removed
     published_staged: int  # parts a killed run staged, published by this run
@@ -172,14 +203,16 @@ def connect_ray(address: str | None) -> Iterator[RayConnection]:
     if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         # "local": a new Ray of our own, whatever a stale /tmp/ray/ray_current_cluster says
-        ray.init(address="local", include_dashboard=False, **options)
+        with _keeping_sigterm_handler():
+            ray.init(address="local", include_dashboard=False, **options)
         connection = RayConnection("local", False)
     else:
         check_reachable(address)
         client = address.startswith("ray://")
         for attempt in (1, 2):
             try:
-                ray.init(address=address, **options)
+                with _keeping_sigterm_handler():
+                    ray.init(address=address, **options)
                 break
             except ConnectionAbortedError as e:
                 # Ray Client's proxy on the head starts one server process per session; that start occasionally
@@ -193,6 +226,19 @@ def connect_ray(address: str | None) -> Iterator[RayConnection]:
         yield connection
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def _keeping_sigterm_handler() -> Iterator[None]:
+    """ray.init replaces the process's SIGTERM handler with sys.exit(15); a handler the caller installed (the CLI's:
+    release the lock, exit 143) is put back."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and callable(previous):
+            signal.signal(signal.SIGTERM, previous)
 
 
 def configure_ray_data() -> None:
@@ -226,6 +272,7 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
         gpus_per_replica=spec.resources.gpus_per_replica,
         batch_size=spec.resources.batch_size,
         max_slots=spec.resources.max_slots,
+        kv_page_tokens=spec.resources.kv_page_tokens,
         max_attempts=spec.input.max_attempts,
         rows_per_file=spec.output.rows_per_file,
         max_file_bytes=spec.input.max_file_bytes,
@@ -233,6 +280,8 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
         fallback_encoding=spec.input.fallback_encoding,
         parse_timeout_s=spec.input.parse_timeout_s,
         max_pages=spec.input.max_pages,
+        pdf_text=spec.input.pdf_text,
+        ocr=spec.input.ocr,
     )
 
 
@@ -255,7 +304,7 @@ def check_output_outside_input(input: Location, output: Location) -> None:
         return
     a, b = in_root.rstrip("/") + "/", out_root.rstrip("/") + "/"
     if b.startswith(a):
-        raise ValueError(f"output.uri {output.uri} is inside input.uri {input.uri}: its files would be listed as "
+        raise UsageError(f"output.uri {output.uri} is inside input.uri {input.uri}: its files would be listed as "
                          f"documents; choose an output outside the input folder")
 
 
@@ -274,11 +323,26 @@ def check_retry_statuses(statuses: Sequence[str]) -> tuple[str, ...]:
     """Statuses to run again, checked: a typo would otherwise retry nothing, silently."""
     unknown = [s for s in statuses if s not in STATUSES]
     if unknown:
-        raise ValueError(f"--retry-status {', '.join(unknown)}: not a row status (known: {', '.join(STATUSES)})")
+        raise UsageError(f"--retry-status {', '.join(unknown)}: not a row status (known: {', '.join(STATUSES)})")
     if "ok" in statuses:
-        raise ValueError("--retry-status ok: rows that succeeded are not run again (the output keeps one row per "
+        raise UsageError("--retry-status ok: rows that succeeded are not run again (the output keeps one row per "
                          "document); use a new output.uri to redo them")
     return tuple(dict.fromkeys(statuses))
+
+
+def check_fail_statuses(statuses: Sequence[str]) -> tuple[str, ...]:
+    """Statuses that fail the run (exit 3), checked like --retry-status: a typo would otherwise fail nothing."""
+    unknown = [s for s in statuses if s not in STATUSES]
+    if unknown:
+        raise UsageError(f"--fail-on-status {', '.join(unknown)}: not a row status (known: {', '.join(STATUSES)})")
+    if "ok" in statuses:
+        raise UsageError("--fail-on-status ok: a run whose documents succeed is not a failure")
+    return tuple(dict.fromkeys(statuses))
+
+
+def failing(documents_by_status: dict[str, int], fail_on_status: Sequence[str]) -> dict[str, int]:
+    """The failing rows among the documents' rows: infrastructure failures, and the statuses the job names."""
+    return {s: n for s, n in documents_by_status.items() if s in INFRASTRUCTURE_STATUSES or s in fail_on_status}
 
 
 @dataclass(frozen=True)
@@ -287,6 +351,7 @@ class RunPlan:
 
     listed: int  # documents under input.uri passing the globs
     pending: pa.Table  # documents to process: connectors.fs.DOCUMENT_SCHEMA columns plus `replaces`
+    skipped_by_status: dict[str, int]  # the rows of the listed documents that are not run again, by status
     retried: int  # pending documents whose failed row is replaced
     committed_rows: int  # rows in the output before this run
     old_parts: dict[str, str]  # doc_id -> the part holding its failed row, for the retried documents
@@ -324,7 +389,11 @@ def plan_run(opts: PipelineOptions, include: list[str], exclude: list[str], *,
                                           strict=True) if d in retried_ids}
     keep = pc.or_(pc.invert(done), replaces)
     pending = listed.append_column("replaces", replaces).filter(keep)
-    plan = RunPlan(listed=listed.num_rows, pending=pending, retried=len(old_parts), committed_rows=index.num_rows,
+    skipped = listed.filter(pc.invert(keep)).column("doc_id")
+    kept_rows = index.filter(pc.is_in(index.column("doc_id"), value_set=skipped)).column("status")
+    skipped_by_status = {c["values"]: c["counts"] for c in pc.value_counts(kept_rows).to_pylist()}
+    plan = RunPlan(listed=listed.num_rows, pending=pending, skipped_by_status=skipped_by_status,
+                   retried=len(old_parts), committed_rows=index.num_rows,
                    old_parts=old_parts, removed_temporaries=removed, published_staged=len(recovery.published),
                    dropped_staged=len(recovery.dropped))
     log.info("run %s: %d listed, %d already done, %d to process (%d retried)", opts.run_id, plan.listed,
@@ -356,29 +425,39 @@ def execute(plan: RunPlan, opts: PipelineOptions, on_progress: Callable[[Progres
     if not plan.pending.num_rows:
         return totals
     swapped: set[str] = set()
-    for batch in build_pipeline(plan.pending, opts).iter_batches(batch_size=None, batch_format="pyarrow"):
-        for row in batch.to_pylist():
-            totals.progress.done += 1
-            totals.progress.by_status[row["status"]] += 1
-            totals.input_tokens += row["input_tokens"] or 0
-            totals.output_tokens += row["output_tokens"] or 0
-            if row["status"] == "ok" and row["mean_logprob"] is not None:
-                totals.mean_logprobs.append(row["mean_logprob"])
-            totals.max_decode_batch = max(totals.max_decode_batch, row["decode_batch"] or 0)
-            if row["kernels"]:
-                totals.kernels.add(row["kernels"])
-            for stage, seconds in (row["timings"] or {}).items():
-                totals.stage_seconds[stage] += seconds or 0.0
-            totals.stage_seconds["write"] += row["write_seconds"] or 0.0
-            staged = row["replacement"]
-            if staged:
-                totals.replaced += 1
-                if staged not in swapped:  # one staged file's rows may come back in more than one batch
-                    swap_in(opts.output, staged, plan.old_parts, opts.run_id)
-                    swapped.add(staged)
-        if on_progress:
-            on_progress(totals.progress)
+    metrics = RunMetrics(opts.job_name)
+    with start_replicas(opts) as replicas:
+        for batch in build_pipeline(plan.pending, opts, replicas).iter_batches(batch_size=None,
+                                                                               batch_format="pyarrow"):
+            _count(batch, totals, metrics, plan, opts, swapped)
+            if on_progress:
+                on_progress(totals.progress)
     return totals
+
+
+def _count(batch: pa.Table, totals: RunTotals, metrics: RunMetrics, plan: RunPlan, opts: PipelineOptions,
+           swapped: set[str]) -> None:
+    """Add a batch of stats rows to the totals; swap retried documents' new rows in."""
+    for row in batch.to_pylist():
+        totals.progress.done += 1
+        totals.progress.by_status[row["status"]] += 1
+        metrics.finished(row["status"])
+        totals.input_tokens += row["input_tokens"] or 0
+        totals.output_tokens += row["output_tokens"] or 0
+        if row["status"] == "ok" and row["mean_logprob"] is not None:
+            totals.mean_logprobs.append(row["mean_logprob"])
+        totals.max_decode_batch = max(totals.max_decode_batch, row["decode_batch"] or 0)
+        if row["kernels"]:
+            totals.kernels.add(row["kernels"])
+        for stage, seconds in (row["timings"] or {}).items():
+            totals.stage_seconds[stage] += seconds or 0.0
+        totals.stage_seconds["write"] += row["write_seconds"] or 0.0
+        staged = row["replacement"]
+        if staged:
+            totals.replaced += 1
+            if staged not in swapped:  # one staged file's rows may come back in more than one batch
+                swap_in(opts.output, staged, plan.old_parts, opts.run_id)
+                swapped.add(staged)
 
 
 def run(
@@ -388,18 +467,21 @@ def run(
     on_progress: Callable[[Progress], None] | None = None,
     run_id: str | None = None,
     retry_statuses: Sequence[str] = (),
+    fail_on_status: Sequence[str] = (),
 ) -> RunResult:
     """Process every listed document that has no committed row yet (and, with `retry_statuses`, those whose row
-    has one of these statuses, replacing that row); returns the run report.
+    has one of these statuses, replacing that row); returns the run report. `fail_on_status`: document statuses
+    that count as failures in the report's outcome, besides the job's own `run.fail_on_status`.
 
     With a ray:// address (Ray Client), Ray Data cannot execute from this process: the run executes in a driver
     actor on the cluster's head node, and this process relays its progress and returns its result.
     """
+    retry_statuses = check_retry_statuses(retry_statuses)
+    fail_on_status = check_fail_statuses([*spec.run.fail_on_status, *fail_on_status])
     checked = check_model(spec)  # config, checkpoint headers, chat template: before the lock, Ray or any worker
     # the checkpoint's decode controls fill what the job leaves unset: the replicas, the output's manifest and the
     # report all see the decode settings actually run
     spec = spec.model_copy(update={"decode": checked.decode})
-    retry_statuses = check_retry_statuses(retry_statuses)
     run_id = run_id or new_run_id()
     spec = _with_absolute_paths(spec)
     target = ray_address(address)
@@ -409,8 +491,8 @@ def run(
     model_info = ModelInfo(checked.decode_sources, preview_provenance(checked.config))
     if client:
         with connect_ray(target):
-            return _run_on_cluster(spec, run_id, retry_statuses, on_progress, model_info)
-    return _run_here(spec, run_id, target, retry_statuses, on_progress, model_info)
+            return _run_on_cluster(spec, run_id, retry_statuses, fail_on_status, on_progress, model_info)
+    return _run_here(spec, run_id, target, retry_statuses, fail_on_status, on_progress, model_info)
 
 
 @dataclass(frozen=True)
@@ -448,7 +530,8 @@ def _with_absolute_paths(spec: JobSpec) -> JobSpec:
 
 
 def _run_here(spec: JobSpec, run_id: str, address: str | None, retry_statuses: tuple[str, ...],
-              on_progress: Callable[[Progress], None] | None, model_info: ModelInfo | None = None) -> RunResult:
+              fail_on_status: tuple[str, ...], on_progress: Callable[[Progress], None] | None,
+              model_info: ModelInfo | None = None) -> RunResult:
     start = time.perf_counter()
     opts = pipeline_options(spec, run_id)
     check_output_outside_input(opts.input, opts.output)
@@ -466,7 +549,7 @@ def _run_here(spec: JobSpec, run_id: str, address: str | None, retry_statuses: t
                 totals = execute(plan, opts, on_progress)
         else:
             totals = execute(plan, opts, on_progress)
-        report = _report(spec, run_id, plan, totals, connected, time.perf_counter() - start,
+        report = _report(spec, run_id, plan, totals, connected, time.perf_counter() - start, fail_on_status,
                          model_info or ModelInfo())
         report_uri = write_report(opts.output, run_id, report.to_json())
     log.info("run %s finished: %s", run_id, report.by_status)
@@ -487,8 +570,10 @@ def distribution(values: list[float]) -> dict[str, float | None]:
 
 
 def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_address: str, wall: float,
-            model_info: ModelInfo) -> RunReport:
+            fail_on_status: tuple[str, ...], model_info: ModelInfo) -> RunReport:
     done = totals.progress.done
+    documents = Counter(plan.skipped_by_status) + totals.progress.by_status
+    failures = failing(dict(documents), fail_on_status)
     return RunReport(
         run_id=run_id,
         job_name=spec.name,
@@ -503,6 +588,10 @@ def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_ad
         retried=plan.retried,
         processed=done,
         by_status=dict(sorted(totals.progress.by_status.items())),
+        documents_by_status=dict(sorted(documents.items())),
+        fail_on_status=list(fail_on_status),
+        failures=dict(sorted(failures.items())),
+        exit_code=int(ExitCode.FAILED_ROWS if failures else ExitCode.OK),
         output_rows=plan.committed_rows + done - totals.replaced,
         removed_temporaries=plan.removed_temporaries,
         published_staged=plan.published_staged,
@@ -525,29 +614,45 @@ def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_ad
     )
 
 
-@ray.remote(num_cpus=0, max_concurrency=2)
+class RunStopped(Exception):
+    """The run was asked to stop: its ray:// client was interrupted."""
+
+
+@ray.remote(num_cpus=0, max_concurrency=3)
 class _ClusterDriver:
-    """The run's driver on the cluster, for ray:// clients: `run` executes the job (one thread), `progress`
-    answers the client's polls (the other)."""
+    """The run's driver on the cluster, for ray:// clients: `run` executes the job (one thread), `get_progress`
+    answers the client's polls and `stop` its interruption (the others)."""
 
     def __init__(self) -> None:
         self.progress: Progress | None = None
+        self.run_thread: int | None = None
 
-    def run(self, spec: JobSpec, run_id: str, retry_statuses: tuple[str, ...], model_info: ModelInfo) -> RunResult:
+    def run(self, spec: JobSpec, run_id: str, retry_statuses: tuple[str, ...], fail_on_status: tuple[str, ...],
+            model_info: ModelInfo) -> RunResult:
         def keep(p: Progress) -> None:
             self.progress = Progress(p.total, p.done, Counter(p.by_status))
 
-        return _run_here(spec, run_id, None, retry_statuses, keep, model_info)
+        self.run_thread = threading.get_ident()
+        try:
+            return _run_here(spec, run_id, None, retry_statuses, fail_on_status, keep, model_info)
+        finally:
+            self.run_thread = None
 
     def get_progress(self) -> Progress | None:
         return self.progress
 
+    def stop(self) -> None:
+        """Raise RunStopped in the run's thread, as Ctrl-C raises KeyboardInterrupt in a CLI's: the run unwinds (its
+        replicas stopped, its lock released) at once, wherever it waits (Ray Data's consumer polls every 10 ms)."""
+        if self.run_thread is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.run_thread), ctypes.py_object(RunStopped))
 
-def _run_on_cluster(spec: JobSpec, run_id: str, retry_statuses: tuple[str, ...],
+
+def _run_on_cluster(spec: JobSpec, run_id: str, retry_statuses: tuple[str, ...], fail_on_status: tuple[str, ...],
                     on_progress: Callable[[Progress], None] | None, model_info: ModelInfo) -> RunResult:
     # On the head node, as `ray job submit` runs its entrypoint: the node that is always there.
     driver = _ClusterDriver.options(resources={"node:__internal_head__": 0.001}).remote()
-    result_ref = driver.run.remote(spec, run_id, retry_statuses, model_info)
+    result_ref = driver.run.remote(spec, run_id, retry_statuses, fail_on_status, model_info)
     try:
         while True:
             ready, _ = ray.wait([result_ref], timeout=0.5)
@@ -560,6 +665,12 @@ def _run_on_cluster(spec: JobSpec, run_id: str, retry_statuses: tuple[str, ...],
         cause = e.cause if isinstance(e.cause, Exception) else None
         if cause is not None:  # the job's own error (OutputBusy, a bad field), not Ray's wrapper around it
             raise cause from None
+        raise
+    except BaseException as e:
+        if not isinstance(e, Exception):  # SIGINT, SIGTERM here: the run there stops too, releasing its lock
+            with contextlib.suppress(Exception):
+                ray.get(driver.stop.remote(), timeout=CONNECT_TIMEOUT_S)
+                ray.wait([result_ref], timeout=STOP_TIMEOUT_S)
         raise
     finally:
         ray.kill(driver)

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from clover_batch.model.options import DecodeOptions
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from clover_batch.pipeline.rows import INFRASTRUCTURE_STATUSES, STATUSES
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -36,7 +37,10 @@ class InputSpec(_Strict):
         "e.g. {endpoint_url, key, secret} for S3-compatible stores.",
     )
     max_file_bytes: int = Field(
-        default=256 * 2**20, gt=0, description="Files larger than this get status `too_large` without being read."
+        default=256 * 2**20,
+        gt=0,
+        description="Files larger than this get status `too_large` without being read; so does a DOCX, EPUB or XPS "
+        "(zip archives) whose parts would unpack to more than this.",
     )
     max_input_tokens: int = Field(
         default=1_048_576,
@@ -52,15 +56,28 @@ class InputSpec(_Strict):
     parse_timeout_s: float = Field(
         default=300,
         gt=0,
-        description="Most seconds one document may take to parse. PDFs are parsed in a child process of the "
-        "worker; one that runs past this is stopped and the document gets status `parse_timeout` (a parser crash "
-        "gives `parse_crashed`). The run goes on.",
+        description="Most seconds one document may take to parse, OCR of its pages included. PDF, DOCX, HTML, EPUB "
+        "and XPS documents are parsed in a child process of the worker; one that runs past this is stopped and the "
+        "document gets status `parse_timeout` (a parser crash gives `parse_crashed`). The run goes on.",
     )
     max_pages: int = Field(
         default=10_000,
         gt=0,
-        description="PDFs with more pages than this get status `too_many_pages` before any text is extracted. "
-        "The default is past what input.max_input_tokens admits at ordinary page densities.",
+        description="PDFs (and EPUB, XPS) with more pages than this get status `too_many_pages` before any text is "
+        "extracted or recognised. The default is past what input.max_input_tokens admits at ordinary page densities.",
+    )
+    pdf_text: Literal["markdown", "plain"] = Field(
+        default="markdown",
+        description="How PDF, EPUB and XPS pages become text: `markdown` (layout analysis by pymupdf4llm: headings, "
+        "lists, reading order across columns, tables as Markdown tables) or `plain` (MuPDF's text in content order: "
+        "a hundred times and more cheaper per page, tables come out one cell per line).",
+    )
+    ocr: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="OCR of PDF pages (RapidOCR, models shipped in its package, nothing downloaded): `auto` "
+        "recognises pages with no usable text layer (scans, unreadable fonts) and leaves the others alone; "
+        "`always` recognises every page and replaces its text layer; `never` does no OCR (a scan gets `no_text`). "
+        "A recognised page costs about a second of CPU, counted in input.parse_timeout_s.",
     )
     max_attempts: int = Field(
         default=2,
@@ -200,9 +217,42 @@ class ResourcesSpec(_Strict):
         default=16,
         ge=1,
         description="Documents one replica decodes at once (its engine's slots, continuous batching). Fewer are "
-        "used if the replica's memory cannot hold this many (each slot holds a document's state: the recurrent "
-        "state and the attention window's keys and values).",
+        "used if the replica's memory cannot hold this many (each slot holds a document's fixed-size state: the "
+        "recurrent state and its decode block; attention keys and values are in pages, see kv_page_tokens).",
     )
+    kv_page_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="Positions per page of attention keys and values. A replica's memory holds slots (each "
+        "document's fixed recurrent state) and a pool of pages that documents take as they grow and give back as "
+        "their window slides, so short documents do not pay for the whole window. Up to 128, or a multiple of 128 "
+        "(flex attention's key blocks).",
+    )
+
+    @model_validator(mode="after")
+    def _page_tokens(self) -> ResourcesSpec:
+        if self.kv_page_tokens > 128 and self.kv_page_tokens % 128:
+            raise ValueError(f"kv_page_tokens must be at most 128 or a multiple of 128, got {self.kv_page_tokens}")
+        return self
+
+
+class RunSpec(_Strict):
+    fail_on_status: list[str] = Field(
+        default=[],
+        description="Document statuses that fail the run like infrastructure failures: `clover-batch run` exits 3 "
+        "when a listed document's row has one (e.g. [encrypted, too_long]). By default only "
+        f"{', '.join(INFRASTRUCTURE_STATUSES)} do, and document failures are data. `--fail-on-status` adds more.",
+    )
+
+    @field_validator("fail_on_status")
+    @classmethod
+    def _known_statuses(cls, value: list[str]) -> list[str]:
+        unknown = [s for s in value if s not in STATUSES]
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: not a row status (known: {', '.join(STATUSES)})")
+        if "ok" in value:
+            raise ValueError("ok: a run whose documents succeed is not a failure")
+        return value
 
 
 class JobSpec(_Strict):
@@ -219,6 +269,7 @@ class JobSpec(_Strict):
     )
     decode: DecodeSpec = Field(default_factory=DecodeSpec, description="Decoding options.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Actor pool resources.")
+    run: RunSpec = Field(default_factory=RunSpec, description="What the run's outcome (its exit code) counts.")
 
 
 class JobSpecError(ValueError):

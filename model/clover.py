@@ -107,7 +107,8 @@ class CloverModel(nn.Module):
                              f"{self.dtype} on {self.device}")
         if keep_logits is not None and keep_logits < 0:
             raise ValueError(f"keep_logits must be None or >= 0, got {keep_logits}")
-        ctx = self._context(state.positions, T, attention or self.default_attention(),
+        ctx = self._context(state.positions[:, None] + torch.arange(T, device=state.positions.device),
+                            attention or self.default_attention(),
                             cfg.window_tokens if window_tokens is None else window_tokens, plan)
 
         h = self.embed_tokens(input_ids)
@@ -126,25 +127,32 @@ class CloverModel(nn.Module):
 
     @torch.inference_mode()
     def forward_slots(self, input_ids: torch.Tensor, rows: SlotRows, *, attention: str,
-                      keep_logits: int | None, preview: bool = False) -> torch.Tensor | None:
+                      keep_logits: int | None, preview: bool = False,
+                      logits_at: list[int] | None = None) -> torch.Tensor | None:
         """The engine's forward: `input_ids` [B, T] after the sequences in slots rows.start.. (slots.py), whose
         state is read in place and advanced in place for the committing rows. Returns logits as `forward` does.
 
         preview: a denoising step (the rows that do not commit, and the tokens after the committed ones, are
         previews): for a Clover-layout model the preview operator, else the `attention` given (block-causal).
+        logits_at: logits at these token indices only, [B, len, V] (a packed prefill: each sequence's last token).
         Token ids are not checked here: the engine checks prompts when they are added, and every other id it
         feeds comes from the model itself (a check would cost a host sync per step).
         """
         d = self.config.diffusion
+        at = torch.tensor(logits_at, device=input_ids.device) if logits_at else None  # before any kernel is queued
         plan = rows.preview_plan(d.coreset_size) if preview and d is not None and d.clover else None
-        ctx = self._context(rows.positions, input_ids.shape[1], attention, rows.window, plan)
+        ctx = self._context(rows.query_positions(), attention, rows.window, plan)
+        ctx.packing = rows.packing
         block = d.block_size if d is not None else 1
-        ctx.all_visible = rows.all_visible(attention, block, plan)
+        ctx.all_visible = rows.all_visible(attention, block, plan) and not rows.paged
         rows.write_key_positions(ctx.q_pos)
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             h, _ = layer(h, rows.layer(i), ctx)
-        logits = self._logits(h, keep_logits)
+        if at is not None:
+            logits = self._logits(h[:, at], None)
+        else:
+            logits = self._logits(h, keep_logits)
         rows.commit()
         return logits
 
@@ -155,13 +163,13 @@ class CloverModel(nn.Module):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return ops.linear(self.norm(h), head)
 
-    def _context(self, positions: torch.Tensor, T: int, attention: str, window: int,
+    def _context(self, q_pos: torch.Tensor, attention: str, window: int,
                  plan: PreviewPlan | None = None) -> AttentionContext:
+        """What every layer of a forward shares; q_pos [B, T]: the absolute position of each new token."""
         cfg = self.config
-        q_pos = positions[:, None] + torch.arange(T, device=positions.device)  # [B, T]
         if plan is not None:  # previewed tokens see their whole block; committed ones are causal (the trunk)
-            block_end = positions[:, None] + plan.segment_end(positions.device)
-            visible_until = torch.where(plan.preview_tokens(positions.device), block_end, q_pos)
+            block_end = q_pos[:, :1] + plan.segment_end(q_pos.device)
+            visible_until = torch.where(plan.preview_tokens(q_pos.device), block_end, q_pos)
         elif attention == "causal":
             visible_until = q_pos
         elif attention == "block_causal":

@@ -1,19 +1,28 @@
-"""The generation engine: continuous batching over preallocated slot state, token ids only.
+"""The generation engine: continuous batching over preallocated slot state and paged keys, token ids only.
 
     engine.add(Request) at any time  ->  engine.step() ... each returns the requests that finished in it
-    a step = one prefill chunk: the prefilling request, then newly admitted ones, up to a token budget
+    a step = one packed prefill forward: chunks of the prefilling requests, up to a token budget
            | one decode step over every decoding slot: a denoising step (diffusion) or one token (autoregressive)
 
 Notable choices:
-- Slots (slots.py) are allocated once, as many as `memory_budget_bytes` holds (per-slot bytes from the config:
-  GDN state, conv tails, the window's keys and values, the block) and at most `max_slots`. Decoding sequences
-  always occupy slots [0, n), so a decode step reads and writes views: when one finishes, the last one is moved
-  into its slot (one copy of its live state per finished request, never per step).
-- One request prefills at a time, first come first served, in `prefill_chunk_tokens` pieces; a prefill step runs
-  pieces of the current request and then of newly admitted ones until `prefill_tokens_per_step` tokens are done.
-  The prefilling request sits in slot n and so becomes decoding without a copy (one copy if a decoding request
-  finished meanwhile). Each prompt is prefilled alone (B=1): prompts have different lengths, and a padded batch
-  would run padding through the GDN recurrence.
+- Memory (slots.py, pages.py): each slot holds a sequence's fixed-size state (GDN recurrent and conv state, the
+  decode block, saved logits), and attention keys and values live in pages of `page_size` positions from one
+  pool, taken as a sequence grows and given back as its window slides past them or when it leaves. The budget
+  (`memory_budget_bytes`) pays for at most `max_slots` slots and then for pages, as many as there are, up to a
+  full window for every slot; the pool always holds at least one sequence's full window.
+- Admission: a waiting request takes a free slot when the pool has the pages its first prefill chunk and first
+  block need, plus a reserve (`RESERVE_FRACTION` of the pool, at least one page) for the sequences already
+  running, unless nothing is running. Pages are taken before every forward for what it will write; when the pool
+  runs dry, the newest sequence (the last admitted) is preempted: its slot and pages are given back and it is
+  queued again at its original place, to be recomputed from its prompt later (as vLLM's recompute preemption; its
+  output is the one it gets alone, since its generation restarts whole).
+- Decoding sequences occupy slots [0, n), so a decode step reads and writes views: when one finishes, the last one
+  is moved into its slot (its GDN state is copied, its pages change hands). Prefilling sequences sit in the slots
+  after them, contiguous, and join the decoding range when their prompt is in.
+- Prefill is packed (vLLM's varlen prefill): a prefill step takes chunks of every prefilling request, first come
+  first served, each at most `prefill_chunk_tokens`, up to `prefill_tokens_per_step` tokens in all, and runs them
+  as one forward along one token axis with their sequence boundaries: no padding runs through a GDN recurrence,
+  and attention is masked per sequence.
 - Policy: with sequences decoding, a prefill step follows every `decode_steps_per_prefill` decode steps, so long
   prompts prefill in chunks while the others keep decoding; with none decoding, prefill runs back to back.
   0 means prefill whenever there is prefill work (fill the slots first). bench/engine.py measures the choices.
@@ -21,13 +30,13 @@ Notable choices:
   rows take their denoising steps (per-row commit, slots.py): no separate commit forward, and every forward runs
   over all decoding rows. With `merge_commits` (default on CUDA) that forward carries two blocks per row, and a
   committing row also takes its next block's first denoising step in it: at k=8 a 32-token block then costs a row
-  4 forwards instead of 5. A sequence's last block is never committed (nothing reads it).
+  4 forwards instead of 5. A sequence's last block is committed only to score it (shifted models, mean_logprob).
 - One host sync per decode step: after the forward, tokens, confidences and the block updates are computed on the
   device for all rows, and one read-back brings the blocks (or tokens) and the done flags to the host. Everything
-  the host sends (token ids, committing rows, block limits) is copied before the forward is queued, since a host
-  to device copy queued behind the forward would wait for it. Not counted: the fp32 grouped expert GEMM on CUDA
-  (the reference loop reads expert offsets back; bf16 uses the grouped kernel) and flex_attention's first call of
-  a shape (compilation).
+  the host sends (token ids, committing rows, block limits, new page-table entries) is copied before the forward
+  is queued, since a host to device copy queued behind the forward would wait for it. Not counted: the fp32
+  grouped expert GEMM on CUDA (the reference loop reads expert offsets back; bf16 uses the grouped kernel) and
+  flex_attention's first call of a shape (compilation).
 - Sampling (temperature > 0) draws from each request's own generator, seeded from its `seed` (or from the
   options' seed and its id), so a request gets the same output whatever else is in flight.
 """
@@ -48,14 +57,18 @@ import torch
 from .clover import CloverModel
 from .graphs import StaticDecode, graphs_wanted
 from .options import DecodeOptions
+from .pages import PoolExhausted, pages_for
 from .sampling import apply_penalties, pick_tokens, select_block_positions
-from .slots import SlotBytes, SlotState, slot_bytes
+from .slots import SlotBytes, SlotState, slot_bytes, table_columns
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SLOTS = 64  # when max_slots is not given: as many as fit, up to this
 CUDA_BUDGET_FRACTION = 0.8  # of the device memory free when the engine starts (the rest: activations, fragmentation)
 CPU_BUDGET_FRACTION = 0.5  # of the RAM available when the engine starts
+PAGE_SIZE = 256  # positions per page of keys and values (a multiple of flex_attention's 128-token blocks)
+FLEX_KEY_BLOCK = 128  # a page of more positions must hold whole key blocks of flex attention (ops.FLEX_BLOCK)
+RESERVE_FRACTION = 0.01  # of the pool kept free at admission for the running sequences' growth (vLLM's watermark)
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,8 @@ class EngineStats:
     decode_rows: int = 0  # sum over decode steps of the rows in the step
     most_active: int = 0  # most sequences holding a slot at once
     moves: int = 0  # slot copies (compaction)
+    preemptions: int = 0  # sequences sent back to the queue when the pool ran dry
+    peak_pages: int = 0  # most pages held at once
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -156,18 +171,21 @@ class Engine:
     def __init__(self, model: CloverModel, options: DecodeOptions, *, max_slots: int | None = None,
                  memory_budget_bytes: int | None = None, decode_steps_per_prefill: int = 1,
                  prefill_tokens_per_step: int | None = None, merge_commits: bool | None = None,
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, page_size: int = PAGE_SIZE) -> None:
         """merge_commits: commit a finished block in the same forward as the next block's first denoising step
         (None: on CUDA, where a forward of twice the tokens costs about the same at small batches; off on CPU,
         where it costs twice the compute). cuda_graphs: replay decode forwards as CUDA graphs (graphs.py; None:
         on CUDA with bf16 weights unless CLOVER_CUDA_GRAPHS=0; True on a CPU runs the same static-shape step
-        eagerly)."""
+        eagerly). page_size: positions per page of keys and values."""
         cfg = model.config
         options.check(cfg)
         if max_slots is not None and max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         if decode_steps_per_prefill < 0:
             raise ValueError(f"decode_steps_per_prefill must be >= 0, got {decode_steps_per_prefill}")
+        if page_size < 1 or (page_size > FLEX_KEY_BLOCK and page_size % FLEX_KEY_BLOCK):
+            raise ValueError(f"page_size must be in [1, {FLEX_KEY_BLOCK}] or a multiple of {FLEX_KEY_BLOCK} "
+                             f"(flex attention's key blocks), got {page_size}")
         self.model, self.options, self.config = model, options, cfg
         self.window, self.chunk = options.window(cfg), options.chunk(cfg)
         self.stops = frozenset(options.stops(cfg))
@@ -182,17 +200,22 @@ class Engine:
             raise ValueError(f"prefill_tokens_per_step must be >= 1, got {self.prefill_budget}")
         self.decode_steps_per_prefill = decode_steps_per_prefill
         self.merge_commits = (model.device.type == "cuda") if merge_commits is None else merge_commits
-        max_forward = max(self.chunk, 2 * self.block_size)  # a merged commit forwards two blocks
-        self.slot_bytes: SlotBytes = slot_bytes(cfg, model.dtype, window=self.window, max_forward_tokens=max_forward)
+        self.page_size = page_size
+        # the most tokens one forward writes per row: a prefill chunk, or a merged commit's two blocks
+        self.max_forward = max(self.chunk, 2 * self.block_size)
+        self.lookahead = 2 * self.block_size if self.merge_commits else self.block_size  # a decode step's writes
+        self.slot_bytes: SlotBytes = slot_bytes(cfg, model.dtype, window=self.window,
+                                                max_forward_tokens=self.max_forward + self.lookahead,
+                                                page_size=page_size)
         self.memory_budget = (default_memory_budget(model.device) if memory_budget_bytes is None
                               else memory_budget_bytes)
-        fit = self.memory_budget // self.slot_bytes.total
-        self.num_slots = int(min(max_slots or DEFAULT_MAX_SLOTS, fit))
+        self.num_slots, self.num_pages = self._size(max_slots or DEFAULT_MAX_SLOTS)
+        self.reserve = max(1, math.ceil(self.num_pages * RESERVE_FRACTION))
         self.slots: SlotState | None = None
         dev = model.device
         self.static: StaticDecode | None = None
         if self.num_slots >= 1:
-            self._allocate(max_forward)
+            self._allocate()
             if graphs_wanted(model) if cuda_graphs is None else cuda_graphs:
                 assert self.slots is not None
                 pad = cfg.diffusion.mask_token_id if self.diffusion and cfg.diffusion is not None else 0
@@ -200,18 +223,36 @@ class Engine:
         self._positions = torch.arange(self.block_size, device=dev)
         self._seed_base = options.seed if options.seed is not None else secrets.randbits(62)
         self.waiting: deque[_Live] = deque()
-        self.prefilling: _Live | None = None
+        self.prefilling: list[_Live] = []  # in slots after the decoding ones, contiguous, in admission order
         self.decoding: list[_Live] = []  # decoding[i] holds slot i
         self.live: dict[str, _Live] = {}
         self._order = 0
         self._decodes_since_prefill = 0
         self.stats = EngineStats()
 
+    def _size(self, max_slots: int) -> tuple[int, int]:
+        """(slots, pages) the budget pays for: slots first, then pages up to a full window for every slot; the
+        pool must hold one sequence's full window. (0, 0) when even one slot does not fit."""
+        b = self.slot_bytes
+        window_pages = self.window_pages
+        budget = self.memory_budget
+        slots = min(max_slots, (budget - window_pages * b.page) // b.fixed) if budget >= window_pages * b.page else 0
+        if slots < 1:
+            return 0, 0
+        pages = min((budget - slots * b.fixed) // b.page, slots * window_pages)
+        return int(slots), int(pages)
+
+    @property
+    def window_pages(self) -> int:
+        """Pages one sequence holds at most: its window, one forward and a decode step's lookahead (slots.py)."""
+        return table_columns(self.window, self.max_forward + self.lookahead, self.page_size)
+
     @torch.inference_mode()
-    def _allocate(self, max_forward: int) -> None:
+    def _allocate(self) -> None:
         cfg, dev, S = self.config, self.model.device, self.num_slots
-        self.slots = SlotState(cfg, S, window=self.window, max_forward_tokens=max_forward, device=dev,
-                               dtype=self.model.dtype)
+        self.slots = SlotState(cfg, S, window=self.window, max_forward_tokens=self.max_forward,
+                               num_pages=self.num_pages, page_size=self.page_size, lookahead_tokens=self.lookahead,
+                               device=dev, dtype=self.model.dtype)
         # next-token logits (autoregressive) or the last committed position's logits (logits_shift) per slot
         self.logits = torch.zeros(S, cfg.vocab_size, dtype=torch.float32, device=dev)
         self.block = torch.zeros(S, self.block_size, dtype=torch.long, device=dev)  # diffusion blocks
@@ -228,16 +269,18 @@ class Engine:
     @property
     def active(self) -> int:
         """Sequences holding a slot (prefilling or decoding)."""
-        return len(self.decoding) + (self.prefilling is not None)
+        return len(self.decoding) + len(self.prefilling)
 
     def add(self, request: Request) -> None:
-        """Queue a request; it is admitted as soon as a slot is free. Callable at any time, also between steps."""
+        """Queue a request; it is admitted as soon as a slot and its pages are free. Callable at any time, also
+        between steps."""
         if self.slots is None:
             b = self.slot_bytes
             raise EngineCapacityError(
-                f"request {request.id!r}: one sequence slot needs {b.total / 2**20:.1f} MiB (GDN state "
-                f"{b.gdn / 2**20:.1f}, conv {b.conv / 2**20:.1f}, keys/values of a {self.window}-token window "
-                f"{b.kv / 2**20:.1f}, block {b.block / 2**20:.1f}), more than the engine's memory budget of "
+                f"request {request.id!r}: one sequence needs {b.fixed / 2**20:.1f} MiB of slot state (GDN state "
+                f"{b.gdn / 2**20:.1f}, conv {b.conv / 2**20:.1f}, block {b.block / 2**20:.1f}) and "
+                f"{self.window_pages} pages of {b.page / 2**20:.2f} MiB for the keys and values of a "
+                f"{self.window}-token window, more than the engine's memory budget of "
                 f"{self.memory_budget / 2**20:.1f} MiB; lower window_tokens or give the engine more memory")
         if request.id in self.live:
             raise ValueError(f"request {request.id!r} is already in flight")
@@ -258,14 +301,15 @@ class Engine:
 
     @torch.inference_mode()
     def cancel(self, request_id: str) -> bool:
-        """Drop a request wherever it is; its slot is freed at once. False if it is not in flight."""
+        """Drop a request wherever it is; its slot and pages are freed at once. False if it is not in flight."""
         live = self.live.pop(request_id, None)
         if live is None:
             return False
         if live in self.waiting:
             self.waiting.remove(live)
-        elif live is self.prefilling:
-            self.prefilling = None
+        elif live in self.prefilling:
+            self.prefilling.remove(live)
+            self._free_slot(live)
         else:
             self._release([live])
         return True
@@ -273,19 +317,22 @@ class Engine:
     def in_flight(self) -> list[str]:
         return list(self.live)
 
+    @torch.inference_mode()
     def restart(self) -> None:
         """Drop all slot state and queue every request in flight again from its start, in arrival order (the
         expert-parallel replica calls this after its workers were restarted: a broken step leaves no partial
         state behind)."""
         lives = sorted(self.live.values(), key=lambda lv: lv.order)
-        self.prefilling, self.decoding = None, []
+        for live in [*self.decoding, *self.prefilling]:
+            self._free_slot(live)
+        self.prefilling, self.decoding = [], []
         self.waiting = deque(self._fresh(lv.req, lv.order) for lv in lives)
         self.live = {lv.req.id: lv for lv in self.waiting}
         self._decodes_since_prefill = 0
 
     @torch.inference_mode()
     def step(self) -> list[tuple[str, Generation]]:
-        """Run one prefill chunk or one decode step; returns the requests that finished in it."""
+        """Run one prefill forward or one decode step; returns the requests that finished in it."""
         if self._wants_prefill():
             self._prefill_step()
             self._decodes_since_prefill = 0
@@ -307,17 +354,27 @@ class Engine:
                      max_new=request.max_new_tokens or self.options.max_new_tokens)
 
     def _wants_prefill(self) -> bool:
-        if self.prefilling is None and not (self.waiting and self.active < self.num_slots):
+        if not self.prefilling and not (self.waiting and self.active < self.num_slots):
             return False  # no prefill work: nothing started, and nothing that could start
         return not self.decoding or self._decodes_since_prefill >= self.decode_steps_per_prefill
 
+    def _admission_pages(self, live: _Live) -> int:
+        """Pages a request needs to start: its first prefill chunk and its first decode step."""
+        return pages_for(0, min(self.chunk, live.prefill_target) + self.lookahead, self.page_size)
+
     def _admit(self) -> _Live | None:
-        """The next waiting request into slot n (decoding slots are [0, n)), if one is free."""
+        """The next waiting request into the first free slot after the running ones, if a slot and its pages are
+        free (keeping the reserve for the running sequences' growth, unless none is running)."""
+        assert self.slots is not None
         if not self.waiting or self.active >= self.num_slots:
             return None
-        live = self.waiting.popleft()
-        live.slot = len(self.decoding)
-        assert self.slots is not None
+        live = self.waiting[0]
+        reserve = self.reserve if self.active else 0
+        if self.slots.pool.free_pages < self._admission_pages(live) + reserve:
+            return None
+        self.waiting.popleft()
+        taken = {lv.slot for lv in (*self.decoding, *self.prefilling)}
+        live.slot = next(s for s in range(len(self.decoding), self.num_slots) if s not in taken)
         self.slots.reset(live.slot)
         self.logits[live.slot].zero_()
         if self.counts is not None:
@@ -326,10 +383,11 @@ class Engine:
         return live
 
     def _start_decoding(self, live: _Live) -> None:
+        """A prefilled request joins the decoding range (its slot becomes slot n)."""
         dst = len(self.decoding)
-        if live.slot != dst:  # a decoding request finished while this one prefilled: close the gap
-            self._move(live.slot, dst, live.length)
-            live.slot = dst
+        if live.slot != dst:
+            self._swap(live.slot, dst)
+        self.prefilling.remove(live)
         self.decoding.append(live)
         if self.diffusion:
             assert self.config.diffusion is not None
@@ -339,21 +397,50 @@ class Engine:
             self.block[dst] = torch.tensor(prompt[live.prefill_target:] + [mask] * (bs - live.tail))
             self.limit[dst] = min(bs, live.tail + live.max_new)
 
-    def _move(self, src: int, dst: int, length: int) -> None:
+    def _owner(self, slot: int) -> _Live | None:
+        return next((lv for lv in (*self.decoding, *self.prefilling) if lv.slot == slot), None)
+
+    def _swap(self, a: int, b: int) -> None:
+        """Exchange the sequences of slots a and b (either may be free)."""
         assert self.slots is not None
-        self.slots.move(src, dst, length)
+        first, second = self._owner(a), self._owner(b)
+        if second is None:
+            self._move(a, b)
+        elif first is None:
+            self._move(b, a)
+        else:
+            self.slots.swap(a, b)
+            for t in (self.logits, self.block, self.limit, self.counts):
+                if t is not None:
+                    t[[a, b]] = t[[b, a]]
+            self.stats.moves += 2
+        for live, slot in ((first, b), (second, a)):
+            if live is not None:
+                live.slot = slot
+
+    def _move(self, src: int, dst: int) -> None:
+        assert self.slots is not None
+        self.slots.move(src, dst)
         for t in (self.logits, self.block, self.limit, self.counts):
             if t is not None:
                 t[dst] = t[src]
         self.stats.moves += 1
 
+    def _free_slot(self, live: _Live) -> None:
+        assert self.slots is not None
+        if live.slot >= 0:
+            self.slots.release(live.slot)
+        live.slot = -1
+
     def _release(self, lives: list[_Live]) -> None:
-        """Free the decoding slots of `lives`, moving the last decoding sequences into the gaps."""
+        """Free the decoding slots of `lives` (and their pages), moving the last decoding sequences into the gaps."""
+        assert self.slots is not None
         for live in sorted(lives, key=lambda lv: lv.slot, reverse=True):
             last = len(self.decoding) - 1
+            self.slots.release(live.slot)
             if live.slot != last:
                 moved = self.decoding[last]
-                self._move(last, live.slot, moved.length)
+                self._move(last, live.slot)
                 moved.slot = live.slot
                 self.decoding[live.slot] = moved
             self.decoding.pop()
@@ -368,39 +455,123 @@ class Engine:
             stopped=live.stopped, decode_batch=live.decode_batch,
             mean_logprob=live.logprob / live.scored if self.shifted and live.scored else None)
 
+    # ---- pages ------------------------------------------------------------------------------------------------
+    def _grow(self, wants: list[tuple[_Live, int]]) -> list[_Live]:
+        """Take pages so each (live, end position) holds positions < end; when the pool runs dry, preempt the
+        newest running sequence and try again. Returns the sequences preempted (not in `wants` any more)."""
+        assert self.slots is not None
+        preempted: list[_Live] = []
+        pending = list(wants)
+        while pending:
+            live, end = pending[0]
+            if live.slot < 0:  # preempted meanwhile
+                pending.pop(0)
+                continue
+            try:
+                self.slots.grow(live.slot, end)
+                pending.pop(0)
+            except PoolExhausted:
+                victim = max((*self.decoding, *self.prefilling), key=lambda lv: lv.order)
+                self._preempt(victim)
+                preempted.append(victim)
+        self.stats.peak_pages = max(self.stats.peak_pages, self.slots.pool.used_pages)
+        return preempted
+
+    def _preempt(self, victim: _Live) -> None:
+        """Send a running sequence back to the queue, at its place by arrival: it restarts from its prompt."""
+        if victim in self.prefilling:
+            self.prefilling.remove(victim)
+            self._free_slot(victim)
+        else:
+            self._release([victim])
+        again = self._fresh(victim.req, victim.order)
+        self.live[victim.req.id] = again
+        victim.slot = -1
+        at = next((i for i, lv in enumerate(self.waiting) if lv.order > again.order), len(self.waiting))
+        self.waiting.insert(at, again)
+        self.stats.preemptions += 1
+        log.debug("preempted request %s (pool of %d pages dry)", victim.req.id, self.num_pages)
+
+    def _slide(self, live: _Live) -> None:
+        """Give back the pages no later query of `live` can see (its window has passed them)."""
+        assert self.slots is not None
+        self.slots.slide(live.slot, live.length - self.window + 1)
+
     # ---- prefill ----------------------------------------------------------------------------------------------
     def _prefill_step(self) -> None:
+        """One packed forward over chunks of the prefilling requests (admitting more while the budget lasts)."""
         assert self.slots is not None
-        used = 0
-        keep = self.shifted  # the last position's logits score the first generated token
-        attention = self.model.default_attention() if self.diffusion else "causal"
         start = time.perf_counter()
+        plan: list[tuple[_Live, int]] = []  # (live, tokens this step)
+        used = 0
         while used < self.prefill_budget:
-            live = self.prefilling or self._admit()
+            live = next((lv for lv in self.prefilling if lv not in [p for p, _ in plan]), None)
             if live is None:
-                break
-            self.prefilling = live
-            if live.length < live.prefill_target:
-                n = min(self.chunk, live.prefill_target - live.length)
-                piece = live.req.prompt_ids[live.length:live.length + n]
-                last = live.length + n == live.prefill_target
-                t0 = time.perf_counter()
-                ids = torch.tensor([piece], dtype=torch.long, device=self.model.device)
-                rows = self.slots.rows(live.slot, [live.length], n, None)
-                logits = self.model.forward_slots(ids, rows, attention=attention, keep_logits=1 if last and keep else 0)
-                if logits is not None:
-                    self.logits[live.slot] = logits[0, -1].float()
-                live.length += n
-                live.forwards += 1
-                live.prefill_s += time.perf_counter() - t0
-                used += n
-                self.stats.forwards += 1
-                self.stats.prefill_tokens += n
+                live = self._admit()
+                if live is None:
+                    break
+                self.prefilling.append(live)
+            n = min(self.chunk, live.prefill_target - live.length, self.prefill_budget - used)
+            plan.append((live, n))
+            used += n
+        plan = [(lv, n) for lv, n in plan if n > 0]
+        if plan:
+            wants = [(lv, lv.length + n + (self.lookahead if lv.length + n == lv.prefill_target else 0))
+                     for lv, n in plan]
+            gone = self._grow(wants)
+            plan = [(lv, n) for lv, n in plan if lv not in gone]
+            self._compact_prefilling([lv for lv, _ in plan])
+        if plan:
+            self._prefill_forward(plan)
+        for live in list(self.prefilling):
             if live.length == live.prefill_target:
-                self.prefilling = None
                 self._start_decoding(live)
         self.stats.prefill_steps += 1
         self.stats.prefill_seconds += time.perf_counter() - start
+
+    def _compact_prefilling(self, first: list[_Live]) -> None:
+        """Prefilling sequences into slots [n, n + k): `first` (this forward's, which a packed forward reads as
+        one contiguous range) in that order, then the others in admission order."""
+        base = len(self.decoding)
+        rest = sorted((lv for lv in self.prefilling if lv not in first), key=lambda lv: lv.order)
+        for i, live in enumerate([*first, *rest]):
+            if live.slot != base + i:
+                self._swap(live.slot, base + i)
+        self.prefilling.sort(key=lambda lv: lv.slot)
+
+    def _prefill_forward(self, plan: list[tuple[_Live, int]]) -> None:
+        assert self.slots is not None
+        t0 = time.perf_counter()
+        by_slot = sorted(plan, key=lambda p: p[0].slot)
+        first = by_slot[0][0].slot
+        assert [lv.slot for lv, _ in by_slot] == list(range(first, first + len(by_slot)))
+        ids = torch.tensor([[t for lv, n in by_slot for t in lv.req.prompt_ids[lv.length:lv.length + n]]],
+                           dtype=torch.long, device=self.model.device)
+        # the last position's logits of each sequence whose prompt is in (the first generated token's)
+        ends = [lv.length + n == lv.prefill_target and self.shifted for lv, n in by_slot]
+        at, pos = [], 0
+        for (_, n), end in zip(by_slot, ends, strict=True):
+            pos += n
+            if end:
+                at.append(pos - 1)
+        attention = self.model.default_attention() if self.diffusion else "causal"
+        rows = self.slots.packed(first, [lv.length for lv, _ in by_slot], [n for _, n in by_slot])
+        logits = self.model.forward_slots(ids, rows, attention=attention, keep_logits=0, logits_at=at)
+        k = 0
+        for (live, n), end in zip(by_slot, ends, strict=True):
+            if end:
+                assert logits is not None
+                self.logits[live.slot] = logits[0, k].float()
+                k += 1
+            live.length += n
+            live.forwards += 1
+            self._slide(live)
+        seconds = time.perf_counter() - t0
+        total = sum(n for _, n in by_slot)
+        for live, n in by_slot:  # each sequence's share of the packed forward, by its tokens
+            live.prefill_s += seconds * n / total
+        self.stats.forwards += 1
+        self.stats.prefill_tokens += total
 
     # ---- decode -----------------------------------------------------------------------------------------------
     def _decode_step(self) -> list[tuple[str, Generation]]:
@@ -467,6 +638,7 @@ class Engine:
             if self._emit(live, [t]):
                 done.append(live)
         self._release(done)
+        self._grow([(lv, lv.length + 1) for lv in self.decoding])  # may preempt the newest
         if self.decoding:
             ids = torch.tensor([[lv.next_token] for lv in self.decoding], dtype=torch.long, device=self.model.device)
             logits = self._forward_decode(ids, None, commit_tokens=1, attention="causal", keep_logits=1)
@@ -474,6 +646,7 @@ class Engine:
             for live in self.decoding:
                 live.length += 1
                 live.forwards += 1
+                self._slide(live)
             self.stats.forwards += 1
         self.stats.decode_rows += n
         self._take_time(rows_in_step, start)
@@ -488,8 +661,14 @@ class Engine:
         that, and leaves after it."""
         assert self.slots is not None and self.config.diffusion is not None
         d, opt = self.config.diffusion, self.options
-        start, lives = time.perf_counter(), list(self.decoding)
-        n, bs = len(lives), self.block_size
+        start, bs = time.perf_counter(), self.block_size
+        merge = self.merge_commits and any(lv.commit_next for lv in self.decoding)
+        # pages for what this forward writes: the block (two, merged) after each row's committed tokens
+        self._grow([(lv, lv.length + (2 if merge else 1) * bs) for lv in self.decoding])  # may preempt the newest
+        if not self.decoding:
+            return []
+        lives = list(self.decoding)
+        n = len(lives)
         commit = [i for i, lv in enumerate(lives) if lv.commit_next]
         merge = self.merge_commits and bool(commit)
         # merged: every row forwards two blocks; committing rows [finished block | fresh masks], the others
@@ -554,6 +733,7 @@ class Engine:
             if live.commit_next:
                 live.commit_next = False
                 live.length += bs
+                self._slide(live)
                 if self.shifted:
                     live.logprob += readback[i][bs + 1]
                     live.scored += live.score_to - live.tail

@@ -24,6 +24,7 @@ from . import ops, preview
 from .config import CloverConfig
 from .moe import SparseMoE
 from .preview import PreviewPlan
+from .slots import Packing, PagedKeys
 from .state import AttentionLayerState, GDNLayerState
 
 
@@ -89,13 +90,17 @@ class GatedDeltaNet(nn.Module):
             self.bd_softmax_history_bias = nn.Parameter(torch.empty(self.Hv))
             self.bd_softmax_history_c = nn.Parameter(torch.empty(self.Hv))
 
-    def forward(self, x_BTD: torch.Tensor, state: GDNLayerState,
-                plan: PreviewPlan | None = None) -> tuple[torch.Tensor, GDNLayerState]:
+    def forward(self, x_BTD: torch.Tensor, state: GDNLayerState, plan: PreviewPlan | None = None,
+                lengths: list[int] | None = None) -> tuple[torch.Tensor, GDNLayerState]:
         """The layer over x from `state`. Without a plan every token is causal (the committing rows keep the state
         after `state.commit_tokens` of them). With a preview plan (Clover's operator, preview.py): the committing
-        rows' first segment is causal, every other token previews from the clean state after what precedes it."""
+        rows' first segment is causal, every other token previews from the clean state after what precedes it.
+        lengths: x is one row of sequences packed along the token axis (a packed prefill), one state each."""
         T = x_BTD.shape[1]
         p = self._project(x_BTD)
+        if lengths is not None:
+            o, (recurrent, conv) = self._causal(p, state.recurrent, state.conv, lengths)
+            return self._out(o, p.z, x_BTD.dtype), state.advanced(recurrent, conv)
         if plan is None:
             split = state.commit_tokens
             if split is not None and split < T:  # keep the state after the first `split` tokens: two kernel calls
@@ -139,12 +144,12 @@ class GatedDeltaNet(nn.Module):
         k = ops.l2norm(k.reshape(B, T, self.Hk, self.Dk).float())
         return q, k, v.reshape(B, T, self.Hv, self.Dv)
 
-    def _causal(self, p: Projected, recurrent: torch.Tensor,
-                conv: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def _causal(self, p: Projected, recurrent: torch.Tensor, conv: torch.Tensor,
+                lengths: list[int] | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The causal trunk: (o [B, T, Hv, Dv] fp32, (recurrent, conv tail) after these tokens)."""
-        mixed, conv_tail = ops.short_conv(p.qkv, self.conv1d.weight[:, 0], conv)  # [B, T, C]
+        mixed, conv_tail = ops.short_conv(p.qkv, self.conv1d.weight[:, 0], conv, lengths)  # [B, T, C]
         q, k, v = self._heads(mixed)  # each key head serves Hv/Hk consecutive value heads (inside the kernel)
-        o, recurrent = ops.gated_delta_rule(q, k, v, p.g, p.beta, recurrent)  # [B, T, Hv, Dv]
+        o, recurrent = ops.gated_delta_rule(q, k, v, p.g, p.beta, recurrent, lengths)  # [B, T, Hv, Dv]
         return o, (recurrent, conv_tail)
 
     def _preview(self, p: Projected, recurrent: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
@@ -174,14 +179,24 @@ class AttentionContext:
     window: int  # a query at p sees keys at positions >= p - window + 1
     all_visible: bool = False  # known on the host: every key is visible to every query (no mask needed)
     preview: PreviewPlan | None = None  # Clover's preview operator for some tokens (preview.py); None: the trunk
+    packing: Packing | None = None  # several sequences packed along the token axis of one row (slots.py)
     _masks: dict = field(default_factory=dict)
 
-    def mask(self, key_pos: torch.Tensor) -> ops.AttentionMask:
-        """The mask over these keys; layers whose keys sit at the same positions share one (built once)."""
-        key = (key_pos.data_ptr(), tuple(key_pos.shape), tuple(key_pos.stride()))
+    def mask(self, keys_at: torch.Tensor | PagedKeys) -> ops.AttentionMask | ops.PagedMask:
+        """The mask over these keys (their positions [B, S], or the page pool's tables); layers whose keys sit at
+        the same positions share one (built once). A packed forward's queries are laid out per sequence here
+        ([n, Tmax]), as attention runs them."""
+        key: tuple = ((keys_at.data_ptr(), tuple(keys_at.shape), tuple(keys_at.stride()))
+                      if isinstance(keys_at, torch.Tensor) else ("paged", id(keys_at.pool_pos)))
         if key not in self._masks:
-            self._masks[key] = ops.AttentionMask(key_pos, self.q_pos, self.visible_until, self.window,
-                                                 self.all_visible)
+            q_pos, visible = self.q_pos, self.visible_until
+            if self.packing is not None:
+                q_pos, visible = q_pos[0][self.packing.unpack], visible[0][self.packing.unpack]
+            if isinstance(keys_at, PagedKeys):
+                self._masks[key] = ops.PagedMask(keys_at.table, keys_at.pool_pos, keys_at.page_size, q_pos, visible,
+                                                 self.window)
+            else:
+                self._masks[key] = ops.AttentionMask(keys_at, q_pos, visible, self.window, self.all_visible)
         return self._masks[key]
 
 
@@ -207,8 +222,14 @@ class GatedAttention(nn.Module):
         q, k = ops.apply_rope(q, ctx.cos, ctx.sin), ops.apply_rope(k, ctx.cos, ctx.sin)
 
         keys, values, key_pos, state = state.extended(k, v, ctx.q_pos)  # [B, Hkv, S, Dh], [B, S]
-        out = ops.attention(q, keys, values, ctx.mask(key_pos))  # [B, H, T, Dh]
-        out = out.transpose(1, 2).reshape(B, T, self.H * self.Dh) * torch.sigmoid(gate.reshape(B, T, -1))
+        if ctx.packing is None:
+            out = ops.attention(q, keys, values, ctx.mask(key_pos)).transpose(1, 2)  # [B, T, H, Dh]
+        else:  # queries per sequence [n, H, Tmax, Dh] against each one's keys, then packed back
+            p = ctx.packing
+            rows = q[0].transpose(0, 1)[p.unpack].permute(0, 2, 1, 3)
+            out = ops.attention(rows, keys, values, ctx.mask(key_pos)).transpose(1, 2)
+            out = out.reshape(-1, self.H, self.Dh)[p.repack][None]  # [1, T, H, Dh]
+        out = out.reshape(B, T, self.H * self.Dh) * torch.sigmoid(gate.reshape(B, T, -1))
         return ops.linear(out, self.o_proj.weight), state
 
 
@@ -228,7 +249,8 @@ class DecoderLayer(nn.Module):
                 ctx: AttentionContext) -> tuple[torch.Tensor, GDNLayerState | AttentionLayerState]:
         x = self.input_layernorm(h)
         if self.kind == "linear_attention":
-            mixed, state = self.linear_attn(x, state, ctx.preview)  # type: ignore[arg-type]
+            lengths = ctx.packing.lengths if ctx.packing is not None else None
+            mixed, state = self.linear_attn(x, state, ctx.preview, lengths)  # type: ignore[arg-type]
         else:
             mixed, state = self.self_attn(x, state, ctx)  # type: ignore[arg-type]
         h = h + mixed

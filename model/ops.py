@@ -211,6 +211,34 @@ def gdn_recurrent(
     return out.transpose(1, 2), S
 
 
+def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, ...]:
+    """Everything of the chunked gated delta rule that depends on one chunk alone, for a batch of chunks
+    q, k [X, H, L, K], v [X, H, L, V], g, beta [X, H, L] (fp32, zero-padded past a sequence's end: g = 0 and
+    beta = 0 leave the state as it is). Returns (U, QK, WQ, k_dec_t, a_chunk) as gdn_chunked's docstring names them."""
+    L, Vd = q.shape[-2], v.shape[-1]
+    q = q * scale
+    beta = beta[..., None]
+    c = g.cumsum(-1)  # [X, H, L]
+    lower = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    diff = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill_(~lower, -math.inf)  # upper part -> exp() = 0
+    M = diff.exp_()  # [X, H, L, L]
+    kb = k * beta
+    A = (kb @ k.transpose(-1, -2)).mul_(M).tril_(-1)
+    A.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    exp_c = c.exp().unsqueeze(-1)  # [X, H, L, 1]
+    # one triangular solve for both right-hand sides: [U | Wk] = A^-1 [beta V | beta K exp(c)]
+    UW = torch.linalg.solve_triangular(A, torch.cat([v * beta, kb * exp_c], dim=-1), upper=False,
+                                       unitriangular=True)
+    QK = (q @ k.transpose(-1, -2)).mul_(M)  # lower incl. diagonal
+    # Wk and Q exp(c) both multiply the chunk's incoming state: stacked, one matmul per chunk serves both
+    WQ = torch.cat([UW[..., Vd:], q * exp_c], dim=-2)  # [X, H, 2L, K]
+    c_last = c[..., -1:]  # [X, H, 1]
+    k_dec_t = (k * (c_last - c).exp().unsqueeze(-1)).transpose(-1, -2)  # [X, H, K, L]
+    a_chunk = c_last.exp().unsqueeze(-1)  # [X, H, 1, 1]
+    return UW[..., :Vd], QK, WQ, k_dec_t, a_chunk
+
+
 def gdn_chunked(
     q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, g_BTH: torch.Tensor, beta_BTH: torch.Tensor,
     state_BHKV: torch.Tensor, chunk: int = 64,
@@ -223,86 +251,161 @@ def gdn_chunked(
     """
     B, T, H, Kd = k_BTHK.shape
     Vd = v_BTHV.shape[-1]
-    scale = Kd ** -0.5
     pad = (-T) % chunk
     q, k, v = (F.pad(t.float(), (0, 0, 0, 0, 0, pad)).transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV))
     g, beta = (F.pad(t.float(), (0, 0, 0, pad)).transpose(1, 2) for t in (g_BTH, beta_BTH))  # [B, H, Tp]
     n = (T + pad) // chunk
-    q = q.reshape(B, H, n, chunk, Kd) * scale
-    k = k.reshape(B, H, n, chunk, Kd)
-    v = v.reshape(B, H, n, chunk, Vd)
-    beta = beta.reshape(B, H, n, chunk, 1)
-    c = g.reshape(B, H, n, chunk).cumsum(-1)  # [B, H, n, L]
 
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    diff = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill_(~lower, -math.inf)  # upper part -> exp() = 0
-    M = diff.exp_()  # [B, H, n, L, L]
-    kb = k * beta
-    A = (kb @ k.transpose(-1, -2)).mul_(M).tril_(-1)
-    A.diagonal(dim1=-2, dim2=-1).fill_(1.0)
-    exp_c = c.exp().unsqueeze(-1)  # [B, H, n, L, 1]
-    # one triangular solve for both right-hand sides: [U | Wk] = A^-1 [beta V | beta K exp(c)]
-    UW = torch.linalg.solve_triangular(A, torch.cat([v * beta, kb * exp_c], dim=-1), upper=False,
-                                       unitriangular=True)
-    U = UW[..., :Vd]
-    QK = (q @ k.transpose(-1, -2)).mul_(M)  # lower incl. diagonal
-    # Wk and Q exp(c) both multiply the chunk's incoming state: stacked, one matmul per chunk serves both
-    WQ = torch.cat([UW[..., Vd:], q * exp_c], dim=-2)  # [B, H, n, 2L, K]
-    c_last = c[..., -1:]  # [B, H, n, 1]
-    k_dec_t = (k * (c_last - c).exp().unsqueeze(-1)).transpose(-1, -2)  # [B, H, n, K, L]
-    a_chunk = c_last.exp().unsqueeze(-1)  # [B, H, n, 1, 1]
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # [B, H, n*L, *] -> [n*B, H, L, *]: a batch of chunks, n-major
+        shape = t.shape[3:]
+        t = t.reshape(B, H, n, chunk, *shape)
+        return t.permute(2, 0, 1, 3, *range(4, 4 + len(shape))).reshape(n * B, H, chunk, *shape)
+
+    terms = _chunk_terms(chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta), Kd ** -0.5)
+    U, QK, WQ, k_dec_t, a_chunk = (t.view(n, B, *t.shape[1:]) for t in terms)  # [n, B, H, ...]: chunk i is [i]
 
     S = state_BHKV.float().clone()
     # Training (autograd recording) cannot write into a preallocated output (`out=` has no backward): there each
     # chunk's output is its own tensor, stacked at the end; inference keeps the copy-free `out=` form.
     recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, S))
-    out = None if recording else torch.empty(B, H, n, chunk, Vd, dtype=torch.float32, device=q.device)
+    out = None if recording else torch.empty(n, B, H, chunk, Vd, dtype=torch.float32, device=q.device)
     outs = []
     for i in range(n):
-        WQ_S = WQ[:, :, i] @ S  # [B, H, 2L, V]
-        v_new = U[:, :, i] - WQ_S[..., :chunk, :]
-        o_args = (WQ_S[..., chunk:, :].reshape(-1, chunk, Vd), QK[:, :, i].reshape(-1, chunk, chunk),
-                  v_new.reshape(-1, chunk, Vd))
-        if out is None:
-            outs.append(torch.baddbmm(*o_args).view(B, H, chunk, Vd))
-        else:
-            torch.baddbmm(*o_args, out=out[:, :, i].view(-1, chunk, Vd))
-        S = torch.baddbmm((S * a_chunk[:, :, i]).reshape(-1, Kd, Vd), k_dec_t[:, :, i].reshape(-1, Kd, chunk),
-                          v_new.reshape(-1, chunk, Vd)).view(B, H, Kd, Vd)
+        o, S = _chunk_step(U[i], QK[i], WQ[i], k_dec_t[i], a_chunk[i], S, None if out is None else out[i])
+        outs.append(o)
     if out is None:
-        out = torch.stack(outs, dim=2)
-    out = out.reshape(B, H, n * chunk, Vd)[:, :, :T]
+        out = torch.stack(outs, dim=0)
+    out = out.permute(1, 2, 0, 3, 4).reshape(B, H, n * chunk, Vd)[:, :, :T]
     return out.transpose(1, 2), S
 
 
+def _chunk_step(U: torch.Tensor, QK: torch.Tensor, WQ: torch.Tensor, k_dec_t: torch.Tensor, a_chunk: torch.Tensor,
+                S: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of a batch of sequences from their states S [B, H, K, V]: (output [B, H, L, V], next state)."""
+    B, H, L, Vd = U.shape
+    Kd = S.shape[-2]
+    WQ_S = WQ @ S  # [B, H, 2L, V]
+    v_new = U - WQ_S[..., :L, :]
+    o_args = (WQ_S[..., L:, :].reshape(-1, L, Vd), QK.reshape(-1, L, L), v_new.reshape(-1, L, Vd))
+    if out is None:
+        o = torch.baddbmm(*o_args).view(B, H, L, Vd)
+    else:
+        o = torch.baddbmm(*o_args, out=out.view(-1, L, Vd)).view(B, H, L, Vd)
+    S = torch.baddbmm((S * a_chunk).reshape(-1, Kd, Vd), k_dec_t.reshape(-1, Kd, L),
+                      v_new.reshape(-1, L, Vd)).view(B, H, Kd, Vd)
+    return o, S
+
+
+def gdn_chunked_varlen(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
+                       beta_TH: torch.Tensor, state_NHKV: torch.Tensor, lengths: list[int],
+                       chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gdn_chunked` over N sequences packed along the token axis (lengths[i] tokens each, in order), each from its
+    own state: (o [T, H, V], final states [N, H, K, V]). No padding runs through any recurrence: each sequence's
+    last chunk is padded with g = 0, beta = 0 (which leave its state as it is), every chunk's own terms are computed
+    in one batch over all sequences' chunks, and the scan over chunks steps all sequences that have one at once."""
+    T, H, Kd = k_THK.shape
+    Vd = v_THV.shape[-1]
+    dev = q_THK.device
+    counts = [-(-n // chunk) for n in lengths]
+    starts, pos = [], 0
+    for n in lengths:
+        starts.append(pos)
+        pos += n
+    # token index of every chunk position; padding points at an appended zero token
+    tok = torch.cat([torch.arange(chunk, device=dev)[None, :] + torch.arange(c, device=dev)[:, None] * chunk + s0
+                     for s0, c in zip(starts, counts, strict=True)])  # [X, L]
+    limit = torch.cat([torch.full((c,), s0 + n, device=dev) for s0, c, n in zip(starts, counts, lengths, strict=True)])
+    tok = torch.where(tok < limit[:, None], tok, T)
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # [T, H, *] -> [X, H, L, *] with a zero token past the end
+        t = torch.cat([t.float(), t.new_zeros(1, *t.shape[1:], dtype=torch.float32)])
+        return t[tok].transpose(1, 2)
+
+    U, QK, WQ, k_dec_t, a_chunk = _chunk_terms(chunks(q_THK), chunks(k_THK), chunks(v_THV), chunks(g_TH),
+                                               chunks(beta_TH), Kd ** -0.5)
+    first = torch.tensor([sum(counts[:i]) for i in range(len(counts))], device=dev)  # each sequence's first chunk
+    S = state_NHKV.float().clone()
+    out = torch.empty(U.shape[0], H, chunk, Vd, dtype=torch.float32, device=dev)
+    for i in range(max(counts)):
+        seqs = [s for s, c in enumerate(counts) if c > i]
+        rows = torch.tensor(seqs, device=dev)
+        ids = first[rows] + i
+        o, S_new = _chunk_step(U[ids], QK[ids], WQ[ids], k_dec_t[ids], a_chunk[ids], S[rows], None)
+        out[ids] = o
+        S[rows] = S_new
+    o_flat = out.transpose(1, 2).reshape(-1, H, Vd)  # [X * L, H, V] in chunk order
+    valid = (tok < T).reshape(-1)
+    o_tok = torch.empty(T, H, Vd, dtype=torch.float32, device=dev)
+    o_tok[tok.reshape(-1)[valid]] = o_flat[valid]
+    return o_tok, S
+
+
 def gated_delta_rule(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, g_BTH: torch.Tensor,
-                     beta_BTH: torch.Tensor, state_BHKV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     beta_BTH: torch.Tensor, state_BHKV: torch.Tensor,
+                     lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over key heads q, k (L2-normalised) and value heads v, from `state` (never written).
 
+    lengths: the input is one row of sequences packed along the token axis, lengths[i] tokens each, each from its
+    own state [N, H, K, V] (prefill of several prompts in one forward); the final states are per sequence.
     fla's Triton kernels on CUDA when selected (kernels.py); else ours: the recurrence for one token, chunked
     otherwise, with each key head repeated over its Hv / Hk value heads.
     """
     fla = kernels.fla_for(q_BTHK)
     if fla is not None:
-        return fla.gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV)
+        return fla.gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV, lengths=lengths)
     groups = v_BTHV.shape[2] // q_BTHK.shape[2]
     if groups > 1:
         q_BTHK, k_BTHK = q_BTHK.repeat_interleave(groups, dim=2), k_BTHK.repeat_interleave(groups, dim=2)
     T = q_BTHK.shape[1]
+    if lengths is not None:
+        if len(lengths) == 1:  # one sequence: the plain kernels
+            return gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV)
+        o, state = gdn_chunked_varlen(q_BTHK[0], k_BTHK[0], v_BTHV[0], g_BTH[0], beta_BTH[0], state_BHKV, lengths,
+                                      chunk=_chunk_for(max(lengths)))
+        return o[None], state
     if T == 1:
         return gdn_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV)
+    return gdn_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV, chunk=_chunk_for(T))
+
+
+def _chunk_for(T: int) -> int:
     # short inputs (a diffusion block) take a chunk of the next power of two >= T, at least 16: a 16-token block
     # padded to a 64-token chunk did 4x the work in every chunk matmul (measured 2x slower training steps)
-    chunk = min(64, max(16, 1 << (T - 1).bit_length()))
-    return gdn_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV, chunk=chunk)
+    return min(64, max(16, 1 << (T - 1).bit_length()))
 
 
-def short_conv(x_BTC: torch.Tensor, w_CK: torch.Tensor, tail_BKC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU carrying the tail: fla's Triton kernel on CUDA when selected, else ours."""
+def short_conv(x_BTC: torch.Tensor, w_CK: torch.Tensor, tail_BKC: torch.Tensor,
+               lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU carrying the tail: fla's Triton kernel on CUDA when selected, else ours.
+    lengths: sequences packed along the token axis of one row, each with its own tail [N, Kc-1, C]."""
     fla = kernels.fla_for(x_BTC)
     if fla is not None:
-        return fla.causal_conv(x_BTC, w_CK, tail_BKC)
+        return fla.causal_conv(x_BTC, w_CK, tail_BKC, lengths=lengths)
+    if lengths is not None:
+        if len(lengths) == 1:
+            return causal_conv(x_BTC, w_CK, tail_BKC)
+        y, tails = causal_conv_varlen(x_BTC[0], w_CK, tail_BKC, lengths)
+        return y[None], tails
     return causal_conv(x_BTC, w_CK, tail_BKC)
+
+
+def causal_conv_varlen(x_TC: torch.Tensor, w_CK: torch.Tensor, tails_NKC: torch.Tensor,
+                       lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv` over sequences packed along the token axis, each after its own tail: one conv1d over
+    [tail_0 | x_0 | tail_1 | x_1 | ...], whose windows never cross from one sequence into the next."""
+    K = w_CK.shape[1]
+    n, dev = len(lengths), x_TC.device
+    seq = torch.repeat_interleave(torch.arange(n, device=dev), torch.tensor(lengths, device=dev))
+    tok = torch.arange(x_TC.shape[0], device=dev) + (seq + 1) * (K - 1)  # each token's place in the extended axis
+    ext_start = torch.tensor([sum(lengths[:i]) + i * (K - 1) for i in range(n)], device=dev)
+    tail_at = (ext_start[:, None] + torch.arange(K - 1, device=dev)).reshape(-1)
+    ext = x_TC.new_empty(x_TC.shape[0] + n * (K - 1), x_TC.shape[1])
+    ext[tail_at] = tails_NKC.to(x_TC.dtype).reshape(-1, x_TC.shape[1])
+    ext[tok] = x_TC
+    y = F.conv1d(ext.T[None], w_CK.unsqueeze(1).to(x_TC.dtype), groups=w_CK.shape[0])[0].T  # [T + n(K-1) - K + 1]
+    ends = ext_start + torch.tensor(lengths, device=dev) + (K - 1)  # one past each sequence's last input
+    new_tails = ext[(ends[:, None] - (K - 1) + torch.arange(K - 1, device=dev)).reshape(-1)]
+    return F.silu(y[tok - (K - 1)]), new_tails.view(n, K - 1, -1)
 
 
 # ---- attention ----------------------------------------------------------------------------------------------
@@ -319,7 +422,7 @@ class AttentionMask:
 
     all_visible: the caller knows on the host that every key is visible to every query (equal-length rows inside
     the window, a denoising block or one decode token): attention then needs no mask at all.
-    The dense mask (CPU) and flex's block mask (CUDA) are each built at most once per forward, on first use, and
+    The dense mask and flex's block mask are each built at most once per forward, on first use, and
     shared by every attention layer (their keys sit at the same positions).
     """
 
@@ -371,29 +474,116 @@ class AttentionMask:
         return self._block
 
 
-def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+@dataclass
+class PagedMask:
+    """Which pool entries each query sees, for attention over the page pool itself (no gather; flex on CUDA):
+    entry kv holds position pool_pos[kv] of the sequence whose page it is. A query of row b sees it when it is row
+    b's own (row b's table maps that position's logical page to this physical page), written (pos >= 0), not after
+    visible_until and inside the window. The block mask visits only the row's pages that cover the positions its
+    queries can see, from the page table alone, with fixed-shape tensor ops (no host sync: CUDA graphs replay it)."""
+
+    table: torch.Tensor  # [B, M] physical page of each row's page-table column (-1: none)
+    pool_pos: torch.Tensor  # [N] position held by each pool entry (-1: none)
+    page_size: int
+    q_pos: torch.Tensor  # [B, T]
+    visible_until: torch.Tensor  # [B, T]
+    window: int
+    _block: Any = None
+
+    def mask_mod(self) -> Callable:
+        table, pool_pos, ps, q_pos, visible_until, window = (self.table, self.pool_pos, self.page_size, self.q_pos,
+                                                             self.visible_until, self.window)
+        M = table.shape[1]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            pos = pool_pos[kv_idx]
+            own = table[b, (pos.clamp(min=0) // ps) % M] == kv_idx // ps
+            return (pos >= 0) & own & (pos <= visible_until[b, q_idx]) & (pos > q_pos[b, q_idx] - window)
+
+        return mask_mod
+
+    def dense(self) -> torch.Tensor:
+        """Boolean [B, T, N]: the mask over the whole pool (the reference for tests)."""
+        N = self.pool_pos.shape[0]
+        kv = torch.arange(N, device=self.pool_pos.device)
+        pos = self.pool_pos[None, None, :]
+        own = self.table[:, (self.pool_pos.clamp(min=0) // self.page_size) % self.table.shape[1]] \
+            == (kv // self.page_size)[None, :]  # [B, N]
+        return ((pos >= 0) & own[:, None, :] & (pos <= self.visible_until[:, :, None])
+                & (pos > self.q_pos[:, :, None] - self.window))
+
+    def block_mask(self, q_block: int = FLEX_BLOCK) -> Any:
+        if self._block is None:
+            from torch.nn.attention.flex_attention import BlockMask
+
+            (B, T), M, ps = self.q_pos.shape, self.table.shape[1], self.page_size
+            kv_block = min(FLEX_BLOCK, ps)
+            if ps % kv_block:
+                raise ValueError(f"page_size {ps} must be a multiple of {kv_block} for flex attention over pages")
+            per_page = ps // kv_block
+            nq = -(-T // q_block)
+            pad_q = nq * q_block - T  # padded queries repeat the last one: they widen no interval
+            lo = F.pad(self.q_pos - self.window + 1, (0, pad_q), mode="replicate").view(B, nq, q_block).amin(-1)
+            hi = F.pad(self.visible_until, (0, pad_q), mode="replicate").view(B, nq, q_block).amax(-1)
+            lo_page = lo.clamp(min=0) // ps  # [B, nq]
+            cols = torch.arange(M, device=lo.device)
+            logical = lo_page[..., None] + (cols - lo_page[..., None]) % M  # the logical page in each column
+            physical = self.table[:, None, :].expand(B, nq, M)
+            keep = (logical <= (hi // ps)[..., None]) & (physical >= 0)  # [B, nq, M]
+            blocks = (physical[..., None] * per_page + torch.arange(per_page, device=lo.device)).flatten(-2)
+            keep = keep[..., None].expand(B, nq, M, per_page).flatten(-2)
+            order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
+            indices = torch.where(keep, blocks, 0).gather(-1, order).to(torch.int32)
+            counts = keep.sum(-1, dtype=torch.int32)
+            self._block = BlockMask.from_kv_blocks(counts[:, None], indices[:, None], BLOCK_SIZE=(q_block, kv_block),
+                                                   mask_mod=self.mask_mod(),
+                                                   seq_lengths=(T, self.pool_pos.shape[0]),
+                                                   compute_q_blocks=False)
+        return self._block
+
+
+def attention_paged(q_BHTD: torch.Tensor, keys_NHD: torch.Tensor, values_NHD: torch.Tensor,
+                    mask: PagedMask) -> torch.Tensor:
+    """Softmax attention of each row's queries over the page pool (flex_attention, compiled: only the row's pages
+    are visited). Returns [B, H, T, D]."""
+    k = keys_NHD.permute(1, 0, 2)[None]  # [1, Hkv, N, D]: one pool, shared by every row (flex broadcasts it)
+    v = values_NHD.permute(1, 0, 2)[None]
+    return _flex(q_BHTD.is_cuda)(q_BHTD, k, v, block_mask=mask.block_mask(),
+                                 enable_gqa=q_BHTD.shape[1] != k.shape[1])
+
+
+def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
+              mask: AttentionMask | PagedMask) -> torch.Tensor:
     """Softmax attention with grouped KV heads. Returns [B, H, T, D].
 
+    - over the engine's page pool (a PagedMask; k, v: the pool [N, Hkv, D]): flex_attention (`attention_paged`);
+
     - every key visible (known on the host): one SDPA call without a mask;
-    - CUDA: flex_attention with the block mask (compiled), so skipped key blocks cost nothing and no dense mask
-      is built;
+    - the flex path (kernels.py: CUDA by default, CLOVER_ATTENTION=flex|dense forces it): flex_attention with the
+      block mask (compiled), so skipped key blocks cost nothing and no dense mask is built;
     - otherwise (CPU, the reference; and training, whose backward the block mask does not carry: it is built
       without query blocks): SDPA with the dense boolean mask, in query tiles (`attention_dense`).
     """
+    if isinstance(mask, PagedMask):
+        return attention_paged(q_BHTD, k_BHSD, v_BHSD, mask)
     if mask.all_visible:
         return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD,
                                               enable_gqa=q_BHTD.shape[1] != k_BHSD.shape[1])
-    if q_BHTD.is_cuda and not (torch.is_grad_enabled() and q_BHTD.requires_grad):
-        return _flex()(q_BHTD, k_BHSD, v_BHSD, block_mask=mask.block_mask(),
-                       enable_gqa=q_BHTD.shape[1] != k_BHSD.shape[1])
+    if kernels.flex_for(q_BHTD) and not (torch.is_grad_enabled() and q_BHTD.requires_grad):
+        return _flex(q_BHTD.is_cuda)(q_BHTD, k_BHSD, v_BHSD, block_mask=mask.block_mask(),
+                                     enable_gqa=q_BHTD.shape[1] != k_BHSD.shape[1])
     return attention_dense(q_BHTD, k_BHSD, v_BHSD, mask.dense())
 
 
 @functools.cache
-def _flex() -> Callable:
+def _flex(cuda: bool) -> Callable:
+    """flex_attention compiled: with dynamic shapes on CUDA (one kernel for every length); on a CPU
+    (CLOVER_ATTENTION=flex, to test the GPU's mask path) with static shapes, one compile per shape: with symbolic
+    lengths torch 2.13's C++ flex template emits code that g++ rejects for our mask_mod (key_pos[b, kv] against
+    q_pos[b, q]: undeclared `cur_kvSplitSize<n>`, invalid `cast<int32_t,1>`)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True)
+    return torch.compile(flex_attention, dynamic=cuda)
 
 
 def attention_dense(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, mask_BTS: torch.Tensor, *,

@@ -1,26 +1,35 @@
-"""Slot state: the engine's per-sequence state in preallocated tensors, written in place.
+"""Slot state: the engine's per-sequence state in preallocated tensors, written in place; keys and values in pages.
 
 Shapes: S slots, Hv GDN value heads, Dk/Dv GDN head dims, C conv channels, Kc conv kernel, Hkv attention KV heads,
-R ring entries per slot, D head dim, B rows of one forward (a contiguous range of slots), T new tokens.
+D head dim, P pages of `page_size` (ps) positions, N = (P + 1) * ps pool entries, M page-table columns, B rows of one
+forward (a contiguous range of slots), T new tokens per row, K keys a row reads.
 
 Notable choices:
-- Attention keys and values live in a ring of R = window + (most tokens one forward writes) entries per slot: the
-  key at absolute position p sits at entry p % R and `key_pos` records p (-1: empty). A forward writes its T new
-  keys first and then attends over the ring: every entry it overwrites is older than any of its queries' windows
-  (R >= window + T), so keys are never shifted, trimmed or concatenated. Masks come from key_pos, exactly as in the
-  functional state (state.py), so the two paths compute the same thing.
-- Until a sequence passes R tokens its keys sit at entries [0, length): a forward attends only over the prefix
-  [0, longest row + T) of its rows, so short documents do not pay for the window.
-- A forward covers one contiguous range of slots (the engine keeps decoding sequences in slots [0, n)), so every
-  read is a view, never a gather. Each row of a forward either commits (its GDN recurrent and conv state are
-  written in place; its new keys become committed when `positions` advances) or only reads (a denoising step).
-  A reading row's new keys land in its ring at positions >= its committed length: a scratch area that no
-  committed query sees and that the next step of that row overwrites. A reading row's committed entries and GDN
-  state are never written.
-- A forward may commit only its first `commit_tokens` tokens (a finished block) and read the rest (the next block's
-  first denoising step): GDN layers then run the two parts as two kernel calls and keep the state between them.
-- Per-slot bytes follow from the config (`slot_bytes`), so the engine admits only as many sequences as its memory
-  budget holds.
+- GDN recurrent and conv state are fixed-size: one row per slot, written in place. Attention keys and values live in
+  one pool of pages per attention layer ([N, Hkv, D], token-major), handed out by pages.PagePool: a slot holds only
+  the pages its sequence needs now, so a 2K-token document costs 2K positions of keys whatever the window. A slot's
+  device page table [S, M] maps logical page lp to its physical page at column lp % M (M pages cover the window
+  plus the longest forward); the host tables of pages.py are the truth and the device table mirrors them.
+- The engine grows a slot's pages before a forward writes past them (`grow`: may raise PoolExhausted, taking
+  nothing), slides them after a commit (`slide`: pages the window has passed go back) and releases them when the
+  sequence leaves. A page is zeroed when it is taken (attention multiplies masked entries by zero weights, and
+  0 * NaN garbage is NaN), so untouched pool memory is never written: it costs address space, not RAM.
+- A forward writes its new keys first (every layer at the same pool entries, `write_index`), then each row reads
+  exactly its live keys, gathered ([B, K]: the positions [max(0, L - window + 1), L + T) of a row of L committed
+  tokens, left-padded with a zeroed null page to the longest row): no row reads another's pages, empty entries or
+  keys the window has passed. Key positions come with them (-1 = padding), and masks are built from positions
+  exactly as in the functional state (state.py), so the two paths compute the same thing. `pool_pos` records the
+  position of every pool entry, for a block mask over the pool itself (flex on CUDA).
+- A forward covers one contiguous range of slots (the engine keeps decoding sequences in slots [0, n)). Each row
+  either commits (its GDN state is written; its new keys become committed when `positions` advances) or only reads
+  (a denoising step): a reading row's new keys land at positions >= its committed length, in pages it holds, which
+  no committed query sees and which its next step overwrites. A forward may commit only its first `commit_tokens`
+  tokens (a finished block) and read the rest (the next block's first denoising step).
+- A packed forward (`packed`) runs several sequences' prefill chunks of different lengths as one token axis:
+  `Packing` gives the layers each token's row and the sequence boundaries (cu_seqlens), GDN layers run their
+  kernels per sequence over the packed tokens, attention unpacks queries per row.
+- Per-slot bytes and per-page bytes follow from the config (`slot_bytes`), so the engine sizes the pool from its
+  memory budget and admits sequences by the pages they need.
 """
 
 from __future__ import annotations
@@ -29,64 +38,105 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .config import CloverConfig
+from .pages import PagePool, pages_for
 from .preview import PreviewPlan
 
 
 @dataclass(frozen=True)
 class SlotBytes:
-    """Bytes one slot needs, by part."""
+    """Bytes of one slot (fixed, whatever its sequence's length) and of one page of keys and values."""
 
     gdn: int  # recurrent states (fp32) of every GDN layer
     conv: int  # conv tails of every GDN layer
-    kv: int  # attention keys + values over the ring, every attention layer
-    positions: int  # key positions of the ring, the committed length
-    block: int  # decode working set per sequence: its block's logits (fp32) and bookkeeping
+    block: int  # decode working set per sequence: its block's logits (fp32), counts, bookkeeping
+    table: int  # its page-table row and committed length
+    page: int  # one page: keys + values of page_size positions in every attention layer, and their positions
+    page_size: int
 
     @property
-    def total(self) -> int:
-        return self.gdn + self.conv + self.kv + self.positions + self.block
+    def fixed(self) -> int:
+        return self.gdn + self.conv + self.block + self.table
+
+    def sequence(self, tokens: int, window: int, max_forward_tokens: int) -> int:
+        """What a sequence of `tokens` committed tokens holds: its slot and the pages of its live keys (at most
+        the window and one forward, over page boundaries)."""
+        live = min(tokens, window - 1) + max_forward_tokens
+        return self.fixed + (pages_for(0, live, self.page_size) + 1) * self.page
 
 
-def ring_capacity(window: int, max_forward_tokens: int) -> int:
-    """Ring entries per slot: the window plus the most tokens one forward writes (see the module docstring)."""
-    return window + max_forward_tokens
+def table_columns(window: int, max_forward_tokens: int, page_size: int) -> int:
+    """Page-table columns M: the most logical pages a sequence holds at once: the window's keys before its next
+    query and one forward's worth after it (`max_forward_tokens`, lookahead included), over page boundaries."""
+    return pages_for(0, window - 1 + max_forward_tokens, page_size) + 1
 
 
-def slot_bytes(config: CloverConfig, dtype: torch.dtype, *, window: int, max_forward_tokens: int) -> SlotBytes:
-    """What one slot costs: GDN state + conv tail + window keys/values + the decode block."""
+def slot_bytes(config: CloverConfig, dtype: torch.dtype, *, window: int, max_forward_tokens: int,
+               page_size: int) -> SlotBytes:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     n_gdn = sum(kind == "linear_attention" for kind in config.layer_types)
     n_attn = config.num_hidden_layers - n_gdn
     conv_channels = 2 * config.linear_key_dim + config.linear_value_dim
-    R = ring_capacity(window, max_forward_tokens)
     block = config.diffusion.block_size if config.diffusion is not None else 1
-    shift = 1 if config.diffusion is None or config.diffusion.logits_shift else 0  # a row of saved logits
     return SlotBytes(
         gdn=n_gdn * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4,
         conv=n_gdn * (config.linear_conv_kernel_dim - 1) * conv_channels * itemsize,
-        kv=n_attn * 2 * config.num_key_value_heads * R * config.head_dim * itemsize,
-        positions=R * 8 + 8,
         # a step's logits over two blocks (a merged commit) in the model dtype, one block's as fp32 probabilities,
-        # plus the saved logits
-        block=(block * (2 * itemsize + 8) + shift * 4) * config.vocab_size + block * 16,
+        # the saved logits and the penalty counts (fp32)
+        block=(block * (2 * itemsize + 8) + 8) * config.vocab_size + block * 16,
+        table=table_columns(window, max_forward_tokens, page_size) * 8 + 8,
+        page=page_size * (n_attn * 2 * config.num_key_value_heads * config.head_dim * itemsize + 8),
+        page_size=page_size,
     )
 
 
+@dataclass
+class PagedKeys:
+    """What attention over the page pool itself needs (ops.PagedMask): each row's page table and every entry's
+    position. Returned by AttentionSlots.extended instead of gathered keys on the flex path."""
+
+    table: torch.Tensor  # [B, M] the forward's rows' page tables
+    pool_pos: torch.Tensor  # [N]
+    page_size: int
+
+
+@dataclass
+class Packing:
+    """How a packed forward's T tokens (one row of input) belong to its n sequences."""
+
+    rows: int  # n sequences (slots start.. start + n)
+    lengths: list[int]  # tokens of each sequence in this forward
+    cu_seqlens: torch.Tensor  # [n + 1] int64 boundaries along the token axis
+    row_of_token: torch.Tensor  # [T] which sequence each token belongs to
+    unpack: torch.Tensor  # [n, Tmax] the packed index of each sequence's t-th token (its last one for padding)
+    repack: torch.Tensor  # [T] index into the unpacked [n * Tmax] of each packed token
+
+    @property
+    def longest(self) -> int:
+        return max(self.lengths)
+
+
 class SlotState:
-    """Preallocated state of `num_slots` sequences; see the module docstring."""
+    """Preallocated state of `num_slots` sequences over a pool of `num_pages` pages; see the module docstring."""
 
     def __init__(self, config: CloverConfig, num_slots: int, *, window: int, max_forward_tokens: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 num_pages: int, page_size: int, lookahead_tokens: int = 0, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        """max_forward_tokens: the most new tokens one forward writes per row; lookahead_tokens: pages a row may
+        hold past a forward's end (the engine takes a decode step's pages with a prefill's last chunk)."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.config, self.num_slots, self.window = config, num_slots, window
-        self.capacity = ring_capacity(window, max_forward_tokens)
-        S, R = num_slots, self.capacity
+        self.max_forward_tokens, self.page_size = max_forward_tokens, page_size
+        self.columns = table_columns(window, max_forward_tokens + lookahead_tokens, page_size)
+        self.pool = PagePool(num_pages, page_size)
+        self.null = num_pages * page_size  # the first entry of the zeroed null page (padding of gathers)
+        S, N = num_slots, (num_pages + 1) * page_size
         conv_channels = 2 * config.linear_key_dim + config.linear_value_dim
         self.recurrent: list[torch.Tensor | None] = []  # [S, Hv, Dk, Dv] fp32 per GDN layer
         self.conv: list[torch.Tensor | None] = []  # [S, Kc-1, C]
-        self.keys: list[torch.Tensor | None] = []  # [S, Hkv, R, D] per attention layer
+        self.keys: list[torch.Tensor | None] = []  # [N, Hkv, D] per attention layer
         self.values: list[torch.Tensor | None] = []
         for kind in config.layer_types:
             gdn = kind == "linear_attention"
@@ -95,42 +145,97 @@ class SlotState:
                                   if gdn else None)
             self.conv.append(torch.zeros(S, config.linear_conv_kernel_dim - 1, conv_channels, dtype=dtype,
                                          device=device) if gdn else None)
-            # zeros, not empty: masked entries are still multiplied by a zero weight, and 0 * NaN garbage is NaN
-            kv_shape = (S, config.num_key_value_heads, R, config.head_dim)
-            self.keys.append(None if gdn else torch.zeros(kv_shape, dtype=dtype, device=device))
-            self.values.append(None if gdn else torch.zeros(kv_shape, dtype=dtype, device=device))
-        self.key_pos = torch.full((S, R), -1, dtype=torch.long, device=device)  # shared by the attention layers
+            kv_shape = (N, config.num_key_value_heads, config.head_dim)
+            # empty: a page is zeroed when it is taken, so pool memory nobody uses is never touched
+            self.keys.append(None if gdn else torch.empty(kv_shape, dtype=dtype, device=device))
+            self.values.append(None if gdn else torch.empty(kv_shape, dtype=dtype, device=device))
+        for t in (*self.keys, *self.values):
+            if t is not None:
+                t[self.null:].zero_()
+        self.pool_pos = torch.full((N,), -1, dtype=torch.long, device=device)  # position held by each entry
+        self.table = torch.full((S, self.columns), -1, dtype=torch.long, device=device)  # physical page per column
         self.positions = torch.zeros(S, dtype=torch.long, device=device)  # committed tokens per slot
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device
 
     def buffers(self) -> list[torch.Tensor]:
         """Every state tensor (to check that they are only ever written in place)."""
         layers = [t for ts in (self.recurrent, self.conv, self.keys, self.values) for t in ts if t is not None]
-        return [*layers, self.key_pos, self.positions]
+        return [*layers, self.pool_pos, self.table, self.positions]
 
+    # ---- pages --------------------------------------------------------------------------------------------------
+    def grow(self, slot: int, end_position: int) -> int:
+        """Make `slot` hold pages for every position < end_position (from its window's start); returns the pages
+        taken. Raises pages.PoolExhausted, taking nothing, when the pool cannot."""
+        added = self.pool.grow(slot, end_position)
+        held = self.pool.tables[slot]
+        if len(held.pages) > self.columns:  # the engine keeps a row's live span within window + forward
+            raise AssertionError(f"slot {slot} holds {len(held.pages)} pages, more than its table's "
+                                 f"{self.columns} columns")
+        if added:
+            ps = self.page_size
+            cols = torch.tensor([lp % self.columns for lp, _ in added], dtype=torch.long)
+            pages = torch.tensor([page for _, page in added], dtype=torch.long)
+            self.table[slot].index_copy_(0, cols.to(self.device), pages.to(self.device))
+            for page in pages.tolist():
+                for t in (*self.keys, *self.values):
+                    if t is not None:
+                        t[page * ps:(page + 1) * ps].zero_()
+                self.pool_pos[page * ps:(page + 1) * ps].fill_(-1)
+        return len(added)
+
+    def slide(self, slot: int, first_position: int) -> int:
+        """Give back the pages of `slot` wholly before `first_position`; returns how many."""
+        gone = self.pool.slide(slot, first_position)
+        self._unmap(slot, gone)
+        return len(gone)
+
+    def release(self, slot: int) -> None:
+        """Give back every page of `slot`."""
+        self._unmap(slot, self.pool.release(slot))
+
+    def _unmap(self, slot: int, gone: list[tuple[int, int]]) -> None:
+        if gone:
+            cols = torch.tensor([lp % self.columns for lp, _ in gone], dtype=torch.long, device=self.device)
+            self.table[slot].index_fill_(0, cols, -1)
+
+    def pages_needed(self, slot: int, end_position: int) -> int:
+        return self.pool.needed(slot, end_position)
+
+    # ---- slots --------------------------------------------------------------------------------------------------
     def reset(self, slot: int) -> None:
-        """An empty sequence in `slot`: zero GDN state, no keys, position 0."""
+        """An empty sequence in `slot`: zero GDN state, no pages, position 0."""
         for rec, conv in zip(self.recurrent, self.conv, strict=True):
             if rec is not None and conv is not None:
                 rec[slot].zero_()
                 conv[slot].zero_()
-        self.key_pos[slot].fill_(-1)
+        self.release(slot)
         self.positions[slot] = 0
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the sequence of `length` committed tokens in slot `src` to slot `dst` (src is then free)."""
-        used = min(length, self.capacity)  # ring entries holding committed keys
+    def move(self, src: int, dst: int) -> None:
+        """The sequence in slot `src` moves to the free slot `dst`: its GDN state is copied, its pages change hands
+        (keys and values stay where they are)."""
         for ts in (self.recurrent, self.conv):
             for t in ts:
                 if t is not None:
                     t[dst].copy_(t[src])
-        for ts in (self.keys, self.values):
+        self.release(dst)
+        self.pool.rename(src, dst)
+        self.table[dst].copy_(self.table[src])
+        self.table[src].fill_(-1)
+        self.positions[dst] = self.positions[src]
+
+    def swap(self, a: int, b: int) -> None:
+        """The sequences of slots a and b exchange places (GDN state copied, pages change hands)."""
+        for ts in (self.recurrent, self.conv):
             for t in ts:
                 if t is not None:
-                    t[dst, :, :used].copy_(t[src, :, :used])
-        key_pos = self.key_pos[dst]
-        key_pos.copy_(self.key_pos[src])
-        key_pos.masked_fill_(key_pos >= length, -1)  # a denoising step's scratch keys were not copied
-        self.positions[dst] = self.positions[src]
+                    t[[a, b]] = t[[b, a]]
+        for t in (self.table, self.positions):
+            t[[a, b]] = t[[b, a]]
+        self.pool.swap(a, b)
 
     def rows(self, start: int, lengths: list[int], tokens: int, commit: list[int] | None,
              commit_tokens: int | None = None) -> SlotRows:
@@ -143,6 +248,11 @@ class SlotState:
         """
         return SlotRows(self, start, lengths, tokens, commit, commit_tokens)
 
+    def packed(self, start: int, lengths: list[int], tokens: list[int]) -> SlotRows:
+        """A packed forward: slots [start, start + n) each commit their own number of new tokens (prefill chunks
+        of different lengths), all on one token axis."""
+        return SlotRows.packed(self, start, lengths, tokens)
+
 
 class SlotRows:
     """Slots [start, start + B) during one forward: per-layer views that the model's layers read and write."""
@@ -152,11 +262,11 @@ class SlotRows:
         B = len(lengths)
         if B < 1 or start < 0 or start + B > state.num_slots:
             raise ValueError(f"rows [{start}, {start + B}) are outside the {state.num_slots} slots")
-        if tokens > state.capacity - state.window:
-            raise ValueError(f"a forward of {tokens} tokens does not fit the ring ({state.capacity} entries for "
-                             f"window {state.window})")
+        if tokens > state.max_forward_tokens:
+            raise ValueError(f"a forward of {tokens} tokens is longer than the slots allow "
+                             f"({state.max_forward_tokens})")
         self.state, self.start, self.end, self.tokens = state, start, start + B, tokens
-        self.lengths = list(lengths)
+        self.lengths: list[int] | None = list(lengths)
         self.commit_tokens = tokens if commit_tokens is None else commit_tokens
         if not 0 < self.commit_tokens <= tokens:
             raise ValueError(f"commit_tokens must be in [1, {tokens}], got {commit_tokens}")
@@ -164,39 +274,71 @@ class SlotRows:
         self.all_commit = commit is None or len(commit) == B
         # absolute slot indices of committing rows, and their rows in this forward (None: every row commits)
         local = None if self.all_commit else sorted(commit or [])
-        self.commit_local = None if local is None else torch.tensor(local, dtype=torch.long,
-                                                                    device=state.positions.device)
+        self.commit_local = None if local is None else torch.tensor(local, dtype=torch.long, device=state.device)
         self.any_commit = self.all_commit or bool(local)
-        self.read = min(state.capacity, max(lengths) + tokens)  # ring prefix holding every key these rows see
         self.commit_mask: torch.Tensor | None = None  # static rows: which rows commit, on the device
+        self.packing: Packing | None = None
+        # flex (CUDA by default): attention reads the pool itself through a block mask from the page tables;
+        # otherwise each row's live keys are gathered (the dense reference, CPU)
+        self.paged = kernels.flex_for(state.positions)
+        # keys each row reads: its last min(L, window - 1) committed keys and the new ones, the longest row's count
+        self.reads = max(min(n, self.window - 1) for n in lengths) + tokens
+        self._index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def static(cls, state: SlotState, start: int, rows: int, tokens: int, commit_mask: torch.Tensor,
                commit_tokens: int | None = None) -> SlotRows:
-        """Rows whose shapes do not depend on their contents (a CUDA graph replays them): the whole ring is read
-        (flex's block mask skips what nobody sees), and which rows commit is a device mask [rows], so the writes
-        are masked copies instead of index lists. Nothing here reads back to the host."""
+        """Rows whose shapes do not depend on their contents (a CUDA graph replays them): each row reads a whole
+        window of keys (padding masked), and which rows commit is a device mask [rows], so the writes are masked
+        copies instead of index lists. Nothing here reads back to the host."""
         self = cls(state, start, [0] * rows, tokens, None, commit_tokens)
         self.lengths = None  # unknown on the host: nothing may be decided from them
-        self.read = state.capacity
+        self.reads = state.window - 1 + tokens
         self.all_commit = False
         self.commit_mask = commit_mask
+        return self
+
+    @classmethod
+    def packed(cls, state: SlotState, start: int, lengths: list[int], tokens: list[int]) -> SlotRows:
+        n = len(lengths)
+        if len(tokens) != n or min(tokens) < 1:
+            raise ValueError("a packed forward needs one positive token count per row")
+        self = cls(state, start, lengths, max(tokens), None)
+        dev = state.device
+        self._new = torch.tensor(tokens, dtype=torch.long, device=dev)
+        counts = torch.tensor(tokens, dtype=torch.long)
+        cu = torch.zeros(n + 1, dtype=torch.long)
+        cu[1:] = counts.cumsum(0)
+        T, Tmax = int(cu[-1]), max(tokens)
+        row_of_token = torch.repeat_interleave(torch.arange(n), counts)
+        t_in_row = torch.arange(T) - cu[row_of_token]
+        unpack = (cu[:-1, None] + torch.arange(Tmax)[None, :]).minimum(cu[1:, None] - 1)
+        repack = row_of_token * Tmax + t_in_row
+        self.packing = Packing(n, list(tokens), cu.to(dev), row_of_token.to(dev), unpack.to(dev), repack.to(dev))
+        self.reads = max(min(L, self.window - 1) + t for L, t in zip(lengths, tokens, strict=True))
+        self._t_in_row = t_in_row.to(dev)
         return self
 
     @property
     def positions(self) -> torch.Tensor:
         return self.state.positions[self.start:self.end]  # [B] view
 
+    def query_positions(self) -> torch.Tensor:
+        """Absolute positions of the new tokens: [B, T] (packed: [1, T])."""
+        if self.packing is not None:
+            return (self.positions[self.packing.row_of_token] + self._t_in_row)[None]
+        return self.positions[:, None] + torch.arange(self.tokens, device=self.state.device)
+
     def all_visible(self, attention: str, block_size: int, plan: PreviewPlan | None = None) -> bool:
         """Whether every query of this forward sees every key it reads, known from the host lengths alone: rows of
-        one length L, nothing wrapped or outside the window (L + T <= ring and window), and the new tokens either
-        one token (causal), one whole aligned block (block-causal sees its block), or one previewed block that no
-        row commits (Clover's preview sees its whole block). Attention then needs no mask.
+        one length L inside the window (L + T <= window), and the new tokens either one token (causal), one whole
+        aligned block (block-causal sees its block), or one previewed block that no row commits (Clover's preview
+        sees its whole block). Attention then needs no mask.
         """
-        if self.lengths is None:
+        if self.lengths is None or self.packing is not None:
             return False
         L, T = self.lengths[0], self.tokens
-        if any(n != L for n in self.lengths) or L + T > min(self.state.capacity, self.window):
+        if any(n != L for n in self.lengths) or L + T > self.window:
             return False
         if plan is not None:
             return not plan.any_commit and plan.split == T
@@ -205,7 +347,7 @@ class SlotRows:
     def preview_plan(self, coreset_size: int | None) -> PreviewPlan:
         """Clover's preview over this forward: committing rows commit their first `commit_tokens` tokens causally,
         every other token previews (preview.py)."""
-        dev = self.state.positions.device
+        dev = self.state.device
         B = self.end - self.start
         if self.commit_mask is not None:  # static rows: which rows commit is only known on the device
             return PreviewPlan(self.commit_tokens, self.tokens, self.commit_mask, any_commit=True, all_commit=False,
@@ -221,9 +363,44 @@ class SlotRows:
         return PreviewPlan(self.commit_tokens, self.tokens, commits, any_commit=True, all_commit=self.all_commit,
                            coreset_size=coreset_size)
 
+    def _entries(self, q_pos: torch.Tensor) -> torch.Tensor:
+        """Pool entries of absolute positions q_pos of this forward's rows (same shape as q_pos)."""
+        st, ps = self.state, self.state.page_size
+        table = st.table[self.start:self.end]
+        rows = (self.packing.row_of_token[None] if self.packing is not None
+                else torch.arange(q_pos.shape[0], device=st.device)[:, None].expand_as(q_pos))
+        page = table[rows, torch.div(q_pos, ps, rounding_mode="floor") % st.columns]
+        # a page nobody mapped (a padding row of a static step writing past its pages) is the null page's
+        page = torch.where(page >= 0, page, st.pool.num_pages)
+        return page * ps + q_pos % ps
+
+    def index(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(write [B, T] or [1, T]: the new tokens' pool entries; read [B, K]: the entries each row reads, padding
+        on the null page; key_pos [B, K]: their positions, -1 = padding; read and key_pos None on the paged path).
+        Built once per forward on the device, shared by every attention layer."""
+        if self._index is None:
+            st, K = self.state, self.reads
+            q_pos = self.query_positions()
+            write = self._entries(q_pos)
+            if self.paged:
+                self._index = (write, None, None)
+                return self._index
+            # each row reads positions (last - K, last]: its last new token and the keys before it
+            last = self.positions + (self._new if self.packing is not None else self.tokens) - 1  # [B]
+            pos = last[:, None] - (K - 1) + torch.arange(K, device=st.device)  # [B, K]
+            first = (self.positions - self.window + 1).clamp(min=0)  # the earliest query's window start
+            live = pos >= first[:, None]
+            rows = torch.arange(pos.shape[0], device=st.device)[:, None].expand_as(pos)
+            page = st.table[self.start:self.end][rows, torch.div(pos.clamp(min=0), st.page_size,
+                                                                 rounding_mode="floor") % st.columns]
+            read = torch.where(live & (page >= 0), page * st.page_size + pos.clamp(min=0) % st.page_size, st.null)
+            self._index = (write, read, torch.where(live, pos, -1))
+        return self._index
+
     def write_key_positions(self, q_pos_BT: torch.Tensor) -> None:
-        """Record the new tokens' positions in the ring (shared by every attention layer)."""
-        self.state.key_pos[self.start:self.end].scatter_(1, q_pos_BT % self.state.capacity, q_pos_BT)
+        """Record the new tokens' positions in the pool (shared by every attention layer)."""
+        write = self.index()[0]
+        self.state.pool_pos.index_copy_(0, write.reshape(-1), q_pos_BT.reshape(-1))
 
     def layer(self, index: int) -> GDNSlots | AttentionSlots:
         if self.state.recurrent[index] is not None:
@@ -233,7 +410,9 @@ class SlotRows:
     def commit(self) -> None:
         """Advance the committing rows' positions: their new keys become committed."""
         pos = self.positions
-        if self.commit_mask is not None:
+        if self.packing is not None:
+            pos.add_(self._new)
+        elif self.commit_mask is not None:
             pos.add_(self.commit_mask.long() * self.commit_tokens)
         elif self.all_commit:
             pos.add_(self.commit_tokens)
@@ -258,7 +437,7 @@ class GDNSlots:
     def __init__(self, rows: SlotRows, index: int) -> None:
         self.rows, self.index = rows, index
         # the state after this many new tokens is what committing rows keep (the rest are read only)
-        self.commit_tokens = rows.commit_tokens
+        self.commit_tokens = rows.commit_tokens if rows.packing is None else None
 
     @property
     def recurrent(self) -> torch.Tensor:
@@ -275,20 +454,25 @@ class GDNSlots:
 
 
 class AttentionSlots:
-    """One attention layer's slice of the slots: new keys go into the ring, attention reads a prefix of it."""
+    """One attention layer's slice of the slots: new keys go into the pool, each row gathers the keys it reads."""
 
     def __init__(self, rows: SlotRows, index: int) -> None:
         self.rows, self.index = rows, index
 
-    def extended(self, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor,
-                 q_pos_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionSlots]:
-        """Write the new keys/values at their ring entries; return (keys, values, key_pos) views to attend over."""
-        rows, state = self.rows, self.rows.state
-        keys = state.keys[self.index][rows.start:rows.end]  # type: ignore[index]
-        values = state.values[self.index][rows.start:rows.end]  # type: ignore[index]
-        B, H, T, D = k_BHTD.shape
-        entry = (q_pos_BT % state.capacity)[:, None, :, None].expand(B, H, T, D)
-        keys.scatter_(2, entry, k_BHTD.to(keys.dtype))
-        values.scatter_(2, entry, v_BHTD.to(values.dtype))
-        n = rows.read
-        return keys[:, :, :n], values[:, :, :n], state.key_pos[rows.start:rows.end, :n], self
+    def extended(self, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, q_pos_BT: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | PagedKeys, AttentionSlots]:
+        """Write the new keys/values at their pool entries; return (keys [B, Hkv, K, D], values, key_pos [B, K])
+        each row reads (packed forwards: B is the number of sequences); on the paged path the pool itself
+        ([N, Hkv, D]) and the tables that say whose entries are whose (PagedKeys)."""
+        keys = self.rows.state.keys[self.index]
+        values = self.rows.state.values[self.index]
+        assert keys is not None and values is not None
+        write, read, key_pos = self.rows.index()
+        flat = write.reshape(-1)
+        keys.index_copy_(0, flat, k_BHTD.transpose(1, 2).reshape(flat.shape[0], *keys.shape[1:]).to(keys.dtype))
+        values.index_copy_(0, flat, v_BHTD.transpose(1, 2).reshape(flat.shape[0], *values.shape[1:])
+                           .to(values.dtype))
+        if read is None:
+            st = self.rows.state
+            return keys, values, PagedKeys(st.table[self.rows.start:self.rows.end], st.pool_pos, st.page_size), self
+        return keys[read].transpose(1, 2), values[read].transpose(1, 2), key_pos, self

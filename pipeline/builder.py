@@ -1,8 +1,10 @@
 """The Ray Data chain, as one linear sequence of map_batches calls:
 
-    listed documents -> read -> parse -> tokenize -> infer (actor pool) -> postprocess -> write parts -> stats
+    listed documents -> read -> parse -> tokenize -> infer (replica actors) -> postprocess -> write parts -> stats
 
-The infer actors are async: several Ray batches are in flight per actor and feed one continuous-batching engine.
+The infer stage is a task per Ray batch in flight, each handing its batch to one of the run's replica actors
+(pipeline/replicas.py); a replica is async: several Ray batches are in flight at it and feed one continuous-batching
+engine.
 
 The driver lists the documents (connectors/) and hands the pending ones in; what comes out is one small stats row
 per document, for progress and the run report. Results themselves are committed to Parquet by the write stage in
@@ -17,9 +19,9 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import ray
 from clover_batch.connectors.fs import Location
+from clover_batch.pipeline.replicas import InferCall, batches_in_flight
 from clover_batch.pipeline.rows import work_table
 from clover_batch.pipeline.stages import (
-    InferStage,
     ModelRef,
     ParseStage,
     PostprocessStage,
@@ -31,6 +33,7 @@ from clover_batch.pipeline.stages import (
 
 if TYPE_CHECKING:
     from clover_batch.model import DecodeOptions
+    from ray.actor import ActorHandle
 
 
 @dataclass(frozen=True)
@@ -49,57 +52,44 @@ class PipelineOptions:
     gpus_per_replica: float = 0.0
     batch_size: int = 4  # documents per Ray batch into the infer actors
     max_slots: int = 16  # documents one replica's engine decodes at once
+    kv_page_tokens: int = 256  # positions per page of attention keys and values
     max_attempts: int = 2  # process deaths with a document inside before it gets a `crashed` row
     rows_per_file: int = 64
     max_file_bytes: int = 256 * 2**20
     max_input_tokens: int = 1_048_576
     fallback_encoding: str | None = None
-    parse_timeout_s: float = 300.0  # per document; past it the PDF parser child is killed (`parse_timeout`)
-    max_pages: int | None = None  # PDFs with more pages get `too_many_pages`
+    parse_timeout_s: float = 300.0  # per document; past it the parser child is killed (`parse_timeout`)
+    max_pages: int | None = None  # PDFs (EPUB, XPS) with more pages get `too_many_pages`
+    pdf_text: str = "markdown"  # markdown | plain: how PDF, EPUB and XPS pages become text
+    ocr: str = "auto"  # auto | always | never: OCR of PDF pages without a usable text layer
     prep_batch_size: int = 4  # documents per read/parse/tokenize task call
     prep_num_cpus: float = 0.5  # CPU share of one read/parse/tokenize task
     prep_concurrency: int | None = None  # most cheap-stage tasks at once; None: 2 per replica
 
 
-def build_pipeline(docs: pa.Table, opts: PipelineOptions) -> ray.data.Dataset:
+def build_pipeline(docs: pa.Table, opts: PipelineOptions, replicas: list[ActorHandle]) -> ray.data.Dataset:
     """The lazy dataset of per-document stats rows; iterating it runs the job. `docs`: the pending documents
-    (connectors.fs.DOCUMENT_SCHEMA columns, plus `replaces` for retried ones)."""
+    (connectors.fs.DOCUMENT_SCHEMA columns, plus `replaces` for retried ones); `replicas`: the infer actors
+    (pipeline.replicas.start_replicas), alive while the dataset runs."""
     table = work_table(docs)
     # Small input blocks, so reading and parsing stream into the actors instead of waiting on one big block.
     step = max(opts.prep_batch_size, -(-table.num_rows // 256))
-    ds = ray.data.from_arrow([table.slice(i, step) for i in range(0, table.num_rows, step)])
+    blocks = [table.slice(i, step) for i in range(0, table.num_rows, step)]
+    ds = ray.data.from_arrow(blocks)
     fmt = {"batch_format": "pyarrow", "zero_copy_batch": False}
-    # A CPU share unlike the actors' keeps Ray from fusing the cheap stages into the actor: parsing then overlaps
-    # with decoding instead of queueing behind it.
     # Parsing is far cheaper than decoding, so a few task workers keep the actors fed; more would only spawn
-    # processes that compete with the actors for CPU while they start.
-    concurrency = opts.prep_concurrency or 2 * opts.replicas
-    in_flight = -(-opts.max_slots // opts.batch_size) + 1
-    prep = {"batch_size": opts.prep_batch_size, "num_cpus": opts.prep_num_cpus, "concurrency": concurrency, **fmt}
+    # processes that compete with the actors for CPU while they start. (No pool larger than the blocks there are.)
+    prep_tasks = ray.data.TaskPoolStrategy(size=min(len(blocks), opts.prep_concurrency or 2 * opts.replicas))
+    prep = {"batch_size": opts.prep_batch_size, "num_cpus": opts.prep_num_cpus, "compute": prep_tasks, **fmt}
+    # A task per block at the replicas (its Ray batches all in flight at once), enough to fill their slots; a task
+    # waiting on a replica holds no CPU.
+    infer_tasks = ray.data.TaskPoolStrategy(size=min(len(blocks), opts.replicas * batches_in_flight(opts)))
     return (
         ds.map_batches(ReadStage(opts.input.storage_options, opts.max_file_bytes), **prep)
-        .map_batches(ParseStage(opts.fallback_encoding, opts.parse_timeout_s, opts.max_pages), **prep)
+        .map_batches(ParseStage(opts.fallback_encoding, opts.parse_timeout_s, opts.max_pages, pdf_text=opts.pdf_text,
+                                ocr=opts.ocr, max_unpacked_bytes=opts.max_file_bytes), **prep)
         .map_batches(TokenizeStage(opts.model, opts.task, opts.max_input_tokens), **prep)
-        .map_batches(
-            InferStage,
-            fn_constructor_kwargs={
-                "model": opts.model,
-                "decode": opts.decode,
-                "num_threads": max(1, int(opts.cpus_per_replica)),
-                "max_slots": opts.max_slots,
-                "output": opts.output,
-                "run_id": opts.run_id,
-                "max_attempts": opts.max_attempts,
-            },
-            # Enough Ray batches in flight per actor to fill the engine's slots, plus one queued behind them, so a
-            # freed slot is refilled at the next step instead of when a whole batch has finished.
-            compute=ray.data.ActorPoolStrategy(size=opts.replicas, max_tasks_in_flight_per_actor=in_flight),
-            max_concurrency=in_flight,
-            num_cpus=opts.cpus_per_replica,
-            num_gpus=opts.gpus_per_replica,
-            batch_size=opts.batch_size,
-            **fmt,
-        )
+        .map_batches(InferCall(replicas, opts.batch_size), batch_size=None, num_cpus=0, compute=infer_tasks, **fmt)
         .map_batches(PostprocessStage(opts.model, opts.task, opts.job_name, opts.run_id), **prep)
         .map_batches(WriteStage(opts.output, opts.run_id), **{**prep, "batch_size": opts.rows_per_file})
     )

@@ -1,22 +1,24 @@
-"""PDF parsing in a child process, so a hostile PDF can stall or crash only that child, never the Ray worker.
+"""Parsing in a child process, so a hostile document can stall or crash only that child, never the Ray worker.
 
-MuPDF is C code fed untrusted bytes. A PDF that sends it into a loop would hold a parse worker forever (a Python
-thread cannot be interrupted inside C); one that crashes it, or makes it allocate until the kernel kills the
-process, would take the worker down with every other document of its batch. So PDFs are parsed in a child:
+MuPDF, libxml2 (python-docx, trafilatura) and onnxruntime (OCR) are C code fed untrusted bytes. A document that
+sends one into a loop would hold a parse worker forever (a Python thread cannot be interrupted inside C); one that
+crashes it, or makes it allocate until the kernel kills the process, would take the worker down with every other
+document of its batch. So PDF, DOCX, HTML, EPUB and XPS documents are parsed in a child:
 
-- One child per worker process, started on the first PDF and reused for every later one: starting a Python with
-  pymupdf for each document would cost more than parsing an ordinary PDF (bench/parse_isolation.py measures both).
-- Each document has `timeout_s` from sending its bytes to the reply. Past it the child is killed (SIGKILL) and the
-  document gets `parse_timeout`; a child that dies mid-document gives `parse_crashed`. The next PDF starts a fresh
-  child.
+- One child per worker process, started on the first such document and reused for every later one: starting a
+  Python with pymupdf for each document would cost more than parsing an ordinary PDF (bench/parse_isolation.py
+  measures both). The OCR engine is loaded in the child on the first page that needs it, and stays loaded.
+- Each document has `timeout_s` from sending its bytes to the reply, OCR of its pages included. Past it the child
+  is killed (SIGKILL) and the document gets `parse_timeout`; a child that dies mid-document gives `parse_crashed`.
+  The next document starts a fresh child.
 - Requests and replies are length-prefixed JSON over two pipes, never pickle: a child compromised through MuPDF
   must not be able to run code in the worker by what it sends back. The child's stdout is not the channel, so C
   code printing there cannot corrupt it.
 - The child dies with its parent (PR_SET_PDEATHSIG on Linux, and EOF on its request pipe), and runs in its own
   session, so Ctrl-C on the driver does not print its traceback.
 
-Text files are not sent to the child: decoding them is our own linear-time code (pipeline/parse.py), and there is
-nothing in it to hang.
+Text and Markdown files are not sent to the child: decoding them is our own linear-time code (pipeline/parse.py),
+and there is nothing in it to hang.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import threading
 import time
 from dataclasses import asdict
 
-from clover_batch.pipeline.parse import Parsed, document_format, parse_document, parse_pdf
+from clover_batch.pipeline.parse import ISOLATED_FORMATS, Parsed, document_format, parse_document
 
 log = logging.getLogger(__name__)
 
@@ -78,19 +80,26 @@ def _write_blocking(fd: int, data: bytes) -> None:
 
 
 def serve(request_fd: int, reply_fd: int) -> None:
-    """The child's loop: read a request (JSON header, then the PDF's bytes), parse, reply with the Parsed as JSON."""
+    """The child's loop: read a request (JSON header, then the document's bytes), parse, reply with the Parsed as
+    JSON."""
     _die_with_parent()
-    _write_blocking(reply_fd, _header(0))  # ready: pymupdf is imported
+    import docx  # noqa: F401  (imported before the first document: its time limit is for parsing)
+    import trafilatura  # noqa: F401
+
+    _write_blocking(reply_fd, _header(0))  # ready: pymupdf, python-docx and trafilatura are imported
     while True:
         size = _read_blocking(request_fd, 8)
         if size is None:
             return  # the parent closed the pipe: it is done or gone
         header = json.loads(_read_blocking(request_fd, int.from_bytes(size, "big")))
         data = _read_blocking(request_fd, header["size"]) if header["size"] else b""
+        uri = header.pop("uri")
         try:
-            parsed = parse_pdf(data, header["max_pages"])
-        except Exception as e:  # parse_pdf turns pymupdf's errors into statuses; anything else is reported too
-            parsed = Parsed("pdf", "corrupt_pdf", f"the PDF parser failed: {type(e).__name__}: {e}")
+            parsed = parse_document(uri, data, **header["options"])
+        except Exception as e:  # parse_document turns the parsers' errors into statuses; anything else is reported
+            fmt = document_format(uri)
+            parsed = Parsed(fmt, "corrupt_pdf" if fmt == "pdf" else "corrupt_file",
+                            f"the {fmt.upper()} parser failed: {type(e).__name__}: {e}")
         reply = json.dumps(asdict(parsed), ensure_ascii=False).encode("utf-8")
         _write_blocking(reply_fd, _header(len(reply)) + reply)
 
@@ -118,7 +127,7 @@ def _describe_exit(code: int | None) -> str:
 
 
 class IsolatedParser:
-    """A persistent child process that parses PDFs, one at a time, each within a time limit."""
+    """A persistent child process that parses documents, one at a time, each within a time limit."""
 
     def __init__(self, startup_timeout_s: float = STARTUP_TIMEOUT_S):
         self.startup_timeout_s = startup_timeout_s
@@ -155,9 +164,9 @@ class IsolatedParser:
             self._receive(time.monotonic() + self.startup_timeout_s)
         except (_Timeout, _ChildGone) as e:
             code = self._stop()
-            raise RuntimeError(f"the PDF parser process did not start ({type(e).__name__.strip('_')}, "
+            raise RuntimeError(f"the parser process did not start ({type(e).__name__.strip('_')}, "
                                f"{_describe_exit(code)})") from None
-        log.debug("PDF parser process %d started", self._proc.pid)
+        log.debug("parser process %d started", self._proc.pid)
 
     def _stop(self) -> int | None:
         """Kill the child (if alive), reap it, close the pipes; returns its exit status."""
@@ -210,27 +219,38 @@ class IsolatedParser:
     def _receive(self, deadline: float) -> bytes:
         return self._read(int.from_bytes(self._read(8, deadline), "big"), deadline)
 
-    def parse_pdf(self, data: bytes, *, timeout_s: float, max_pages: int | None = None) -> Parsed:
-        """Parse one PDF's bytes in the child; `parse_timeout` / `parse_crashed` when the child does not answer."""
+    def parse(self, uri: str, data: bytes, *, timeout_s: float, fallback_encoding: str | None = None,
+              max_pages: int | None = None, pdf_text: str = "markdown", ocr: str = "auto",
+              max_unpacked_bytes: int | None = None) -> Parsed:
+        """`parse_document` in the child (the options are its own); `parse_timeout` / `parse_crashed` when the
+        child does not answer within `timeout_s`."""
+        options = {"fallback_encoding": fallback_encoding, "max_pages": max_pages, "pdf_text": pdf_text, "ocr": ocr,
+                   "max_unpacked_bytes": max_unpacked_bytes}
+        fmt = document_format(uri)
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 if self._proc is not None:  # died between documents (killed from outside): not this one's fault
                     self._stop()
                 self._start()
-            header = json.dumps({"size": len(data), "max_pages": max_pages}).encode()
+            header = json.dumps({"size": len(data), "uri": uri, "options": options}).encode()
             deadline = time.monotonic() + timeout_s
             try:
                 self._send(_header(len(header)) + header + data, deadline)
                 reply = json.loads(self._receive(deadline))
             except _Timeout:
                 self._stop()
-                return Parsed("pdf", "parse_timeout", f"parsing took longer than input.parse_timeout_s={timeout_s:g} "
+                return Parsed(fmt, "parse_timeout", f"parsing took longer than input.parse_timeout_s={timeout_s:g} "
                               "s; the parser was stopped")
             except _ChildGone:
                 code = self._stop()
-                return Parsed("pdf", "parse_crashed",
-                              f"the PDF parser process died on this document ({_describe_exit(code)})")
+                return Parsed(fmt, "parse_crashed",
+                              f"the parser process died on this document ({_describe_exit(code)})")
             return Parsed(**reply)
+
+    def parse_pdf(self, data: bytes, *, timeout_s: float, max_pages: int | None = None, pdf_text: str = "markdown",
+                  ocr: str = "auto") -> Parsed:
+        """One PDF's bytes (`parse` of a document named `document.pdf`)."""
+        return self.parse("document.pdf", data, timeout_s=timeout_s, max_pages=max_pages, pdf_text=pdf_text, ocr=ocr)
 
 
 _shared: IsolatedParser | None = None
@@ -248,8 +268,13 @@ def shared_parser() -> IsolatedParser:
 
 
 def parse_isolated(uri: str, data: bytes, *, timeout_s: float, fallback_encoding: str | None = None,
-                   max_pages: int | None = None) -> Parsed:
-    """`parse_document` with PDFs parsed in this process's child under `timeout_s`; other files in-process."""
-    if document_format(uri) == "pdf" and data:
-        return shared_parser().parse_pdf(data, timeout_s=timeout_s, max_pages=max_pages)
-    return parse_document(uri, data, fallback_encoding=fallback_encoding, max_pages=max_pages)
+                   max_pages: int | None = None, pdf_text: str = "markdown", ocr: str = "auto",
+                   max_unpacked_bytes: int | None = None) -> Parsed:
+    """`parse_document` with PDF, DOCX, HTML, EPUB and XPS documents parsed in this process's child under
+    `timeout_s`; text and Markdown in-process."""
+    if document_format(uri) in ISOLATED_FORMATS and data:
+        return shared_parser().parse(uri, data, timeout_s=timeout_s, fallback_encoding=fallback_encoding,
+                                     max_pages=max_pages, pdf_text=pdf_text, ocr=ocr,
+                                     max_unpacked_bytes=max_unpacked_bytes)
+    return parse_document(uri, data, fallback_encoding=fallback_encoding, max_pages=max_pages, pdf_text=pdf_text,
+                          ocr=ocr, max_unpacked_bytes=max_unpacked_bytes)

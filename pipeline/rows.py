@@ -22,9 +22,9 @@ STAGES = ("read", "parse", "tokenize", "prefill", "decode", "infer", "postproces
 # Failures of the infrastructure, not of the document: `run --retry-failed` runs these documents again.
 INFRASTRUCTURE_STATUSES = ("read_error", "inference_error", "internal_error", "crashed")
 # What a document itself can be refused for (pipeline/parse.py, the stages): a re-run would say the same.
-DOCUMENT_STATUSES = ("too_large", "unsupported_format", "empty", "corrupt_pdf", "truncated_pdf", "encrypted",
-                     "too_many_pages", "parse_timeout", "parse_crashed", "no_text", "binary", "decode_error",
-                     "too_long", "invalid_output")
+DOCUMENT_STATUSES = ("too_large", "unsupported_format", "empty", "corrupt_pdf", "corrupt_file", "truncated_pdf",
+                     "encrypted", "too_many_pages", "parse_timeout", "parse_crashed", "no_text", "binary",
+                     "decode_error", "too_long", "invalid_output")
 STATUSES = ("ok", *INFRASTRUCTURE_STATUSES, *DOCUMENT_STATUSES)
 TIMINGS_TYPE = pa.struct([(s, pa.float64()) for s in STAGES])
 
@@ -34,8 +34,9 @@ OUTPUT_SCHEMA = pa.schema(
         ("source_uri", pa.string()),
         ("version", pa.string()),  # etag, or mtime-size
         ("size", pa.int64()),  # bytes
-        ("format", pa.string()),  # pdf | text | markdown | <extension>
-        ("pages", pa.int32()),  # PDF pages, null for text
+        ("format", pa.string()),  # pdf | docx | html | epub | xps | text | markdown | <extension>
+        ("pages", pa.int32()),  # PDF, EPUB and XPS pages, null for the others
+        ("text_source", pa.string()),  # text | ocr | mixed: how parsing got the text; null when it got none
         ("status", pa.string()),  # ok | named error kind
         ("error", pa.string()),  # message when status != ok
         ("output_text", pa.large_string()),

@@ -29,6 +29,8 @@ Notable choices:
   record when the next suspect killed the process, and was charged with that death.) A record is written before
   its document enters and removed after it came out, so a death between charges a document that was not inside
   with a death among others: that only makes it run alone next time, and never ends it `crashed`.
+- `on_step` (the replica's metrics) is called on the engine thread after every step and before it waits for work,
+  with the engine and how many requests are queued in front of it (taken in, not yet holding a slot).
 - Given a builder instead of an Engine, the thread builds it (loads the model) itself, and the constructor waits
   for it: all of a replica's torch work then happens on one thread. On CPU this is worth 3-4x: torch's OpenMP
   pool belongs to the thread that starts a parallel region, and once the actor's main thread had one (loading the
@@ -149,16 +151,21 @@ class EngineLoop:
 
     def __init__(self, engine: Engine | Callable[[], Engine], *, recover: Callable[[], None] | None = None,
                  max_recoveries: int = 2, on_admit: Callable[[dict[str, bool]], None] | None = None,
-                 on_leave: Callable[[list[str]], None] | None = None) -> None:
+                 on_leave: Callable[[list[str]], None] | None = None,
+                 on_step: Callable[[Engine, int], None] | None = None) -> None:
         """engine: the Engine, or a function building it, called on the engine thread (its error is raised here);
         recover: restarts a broken expert-parallel replica (raises ExpertParallelError when it cannot);
         max_recoveries: how many times in a row, with no successful step between, before giving up;
         on_admit: called with {name: alone} of requests about to enter the engine (an error fails them);
         on_leave: called with the names of admitted requests that came out (an error is logged: the results
-        still go out). Both run on one records thread, in order; see the module's docstring."""
+        still go out). Both run on one records thread, in order; see the module's docstring.
+        on_step: called on the engine thread after each step and before it waits for work, with the engine and
+        the number of requests queued in front of it, not yet holding a slot (an error is logged)."""
         self.recover, self.max_recoveries = recover, max_recoveries
-        self.on_admit, self.on_leave = on_admit, on_leave
+        self.on_admit, self.on_leave, self.on_step = on_admit, on_leave, on_step
+        self.in_loop = 0  # submitted, result not back yet: how busy this loop is (read and changed on the event loop)
         self._admitting = 0  # admissions handed to the records thread and not back yet
+        self._entering = 0  # requests in those admissions
         self._out: list[tuple[_Pending, Any, BaseException | None]] = []  # came out, not yet handed over
         self._failures_in_a_row = 0
         self._inbox: queue.SimpleQueue[_Pending | _Admitted] = queue.SimpleQueue()
@@ -195,8 +202,13 @@ class EngineLoop:
             raise self._fatal
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._inbox.put(_Pending(Request(f"{name}#{next(self._ids)}", list(prompt_ids)), future, loop, name, alone))
-        return await future
+        self.in_loop += 1
+        try:
+            self._inbox.put(_Pending(Request(f"{name}#{next(self._ids)}", list(prompt_ids)), future, loop, name,
+                                     alone))
+            return await future
+        finally:
+            self.in_loop -= 1
 
     # ---- the engine thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -207,8 +219,19 @@ class EngineLoop:
                 self._step()
                 progressed = True
             self._deliver()
+            self._observe()
             if not progressed:  # nothing changed since the inbox was drained: wait for it
                 self._take(block=True)  # a new request, or an admission back from the records thread
+
+    def _observe(self) -> None:
+        if self.on_step is None:
+            return
+        queued = len(self._waiting) + len(self._alone) + self._entering
+        queued += len(self.engine.in_flight()) - self.engine.active  # in the engine, waiting for a slot
+        try:
+            self.on_step(self.engine, queued)
+        except Exception as e:  # metrics must never stop the engine
+            log.warning("on_step failed: %s: %s", type(e).__name__, e)
 
     def _step(self) -> None:
         try:
@@ -234,6 +257,7 @@ class EngineLoop:
             block = False
             if isinstance(item, _Admitted):
                 self._admitting -= 1
+                self._entering -= len(item.items)
                 for pending in item.items:
                     if item.error is not None:  # e.g. the attempt records cannot be written: they do not run
                         self._finish(pending, error=item.error)
@@ -280,6 +304,7 @@ class EngineLoop:
                 self._add(item)
             return
         self._admitting += 1
+        self._entering += len(items)
         self._records.admit(items, alone)
 
     def _add(self, item: _Pending) -> None:

@@ -1,8 +1,8 @@
 """Pipeline stages: small classes, setup in `__init__`, `__call__(batch: pa.Table) -> pa.Table` does the work.
 
 read -> parse -> tokenize are cheap, stateless tasks (Ray fuses them); `InferStage` is the actor that holds one
-model replica and one continuous-batching engine, fed by several Ray batches at once; postprocess decodes and
-checks answers;
+model replica and one continuous-batching engine, fed by several Ray batches at once (started by the run itself, see
+pipeline/replicas.py); postprocess decodes and checks answers;
 `WriteStage` commits each batch as one Parquet part and passes on only small stats rows for progress and the report.
 Stages never raise for a bad document: they set its status (see pipeline/parse.py and pipeline/rows.py).
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -116,13 +115,18 @@ class ReadStage:
 
 
 class ParseStage:
-    """Bytes -> text (needs: data, source_uri). PDFs are parsed in this worker's child process, each within
-    `timeout_s` (pipeline/parse_process.py): a PDF that hangs or crashes MuPDF costs its own row, not the worker."""
+    """Bytes -> text (needs: data, source_uri). PDF, DOCX, HTML, EPUB and XPS documents are parsed in this worker's
+    child process, each within `timeout_s` (pipeline/parse_process.py): a document that hangs or crashes its parser
+    costs its own row, not the worker. Sets `format`, `pages` and `text_source` (how the text was obtained)."""
 
-    def __init__(self, fallback_encoding: str | None, timeout_s: float = 300.0, max_pages: int | None = None):
+    def __init__(self, fallback_encoding: str | None, timeout_s: float = 300.0, max_pages: int | None = None, *,
+                 pdf_text: str = "markdown", ocr: str = "auto", max_unpacked_bytes: int | None = None):
         self.fallback_encoding = fallback_encoding
         self.timeout_s = timeout_s
         self.max_pages = max_pages
+        self.pdf_text = pdf_text
+        self.ocr = ocr
+        self.max_unpacked_bytes = max_unpacked_bytes
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = to_rows(batch)
@@ -132,8 +136,11 @@ class ParseStage:
             with guarded(row, "parse"):
                 with timed(row, "parse"):
                     parsed = parse_isolated(row["source_uri"], row["data"], timeout_s=self.timeout_s,
-                                            fallback_encoding=self.fallback_encoding, max_pages=self.max_pages)
-                row.update(format=parsed.format, pages=parsed.pages, data=None, text=parsed.text)
+                                            fallback_encoding=self.fallback_encoding, max_pages=self.max_pages,
+                                            pdf_text=self.pdf_text, ocr=self.ocr,
+                                            max_unpacked_bytes=self.max_unpacked_bytes)
+                row.update(format=parsed.format, pages=parsed.pages, data=None, text=parsed.text,
+                           text_source=parsed.text_source)
                 if parsed.status != "ok":
                     fail(row, parsed.status, parsed.error)
         return to_table(rows)
@@ -175,17 +182,22 @@ EP_MAX_RESTARTS = 2  # restarts in a row of an expert-parallel replica's workers
 
 
 class InferStage:
-    """One model replica (a Ray actor) and its continuous-batching engine, fed by several Ray batches at once.
+    """One model replica (a Ray actor, pipeline/replicas.py) and its continuous-batching engine, fed by several Ray
+    batches at once.
 
-    `__call__` is an async generator: Ray Data runs several calls per actor concurrently (`max_concurrency`), each
-    hands its documents to the engine loop (pipeline/serving.py) and yields its rows once all of them finished,
-    so the engine always has the next batch's documents to admit when a slot frees up.
+    `infer` is async: the actor runs several calls concurrently, each hands its documents to the engine loop
+    (pipeline/serving.py) and returns its rows once all of them finished, so the engine always has the next batch's
+    documents to admit when a slot frees up. Its constructor takes small values only (specs, a URI, a run id), so
+    Ray can always restart it.
     """
 
-    def __init__(self, model: ModelRef, decode: DecodeOptions, num_threads: int, max_slots: int,
-                 output: Location | None = None, run_id: str = "", max_attempts: int = 2):
+    def __init__(self, model: ModelRef, decode: DecodeOptions, num_threads: int, max_slots: int, page_size: int = 256,
+                 output: Location | None = None, run_id: str = "", max_attempts: int = 2, job_name: str = "",
+                 replica_index: int = 0):
+        import ray
         import torch
         from clover_batch.model import Engine, kernels, load_model
+        from clover_batch.pipeline.metrics import ReplicaMetrics
         from clover_batch.pipeline.serving import EngineLoop
 
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[model.dtype]
@@ -213,17 +225,20 @@ class InferStage:
                 self.model = self.replica.model
             else:
                 self.model = load_model(model.local(), device=device, dtype=dtype, overrides=model.overrides)
-            return Engine(self.model, decode, max_slots=max_slots)
+            return Engine(self.model, decode, max_slots=max_slots, page_size=page_size)
 
         # a dead worker rank of an expert-parallel replica: restart the workers, rerun what was in flight
         recover = (lambda: self.replica.restart()) if model.expert_parallel > 1 else None  # type: ignore[union-attr]
+        self.metrics = ReplicaMetrics(job_name, replica_index) if ray.is_initialized() else None
         self.loop = EngineLoop(build, recover=recover, max_recoveries=EP_MAX_RESTARTS, on_admit=on_admit,
-                               on_leave=on_leave)
+                               on_leave=on_leave, on_step=self.metrics.stepped if self.metrics else None)
         self.engine = self.loop.engine
         self.kernels = (f"{kernels.describe()}; CUDA graphs {'on' if self.engine.static else 'off'}; "
                         f"{self.model.dtype} on {device}")
-        log.info("replica loaded %s on %s: %d slots of %.1f MiB", self.model.config.name, device,
-                 self.engine.num_slots, self.engine.slot_bytes.total / 2**20)
+        b = self.engine.slot_bytes
+        log.info("replica loaded %s on %s: %d slots of %.1f MiB, %d pages of %d positions (%.2f MiB each)",
+                 self.model.config.name, device, self.engine.num_slots, b.fixed / 2**20, self.engine.num_pages,
+                 b.page_size, b.page / 2**20)
 
     def _admitted(self, entering: dict[str, bool]) -> None:
         """On the engine loop's records thread, before documents enter the engine: record their attempts. Their
@@ -252,7 +267,12 @@ class InferStage:
             self._uris.pop(row["doc_id"], None)
             self._past.pop(row["doc_id"], None)
 
-    async def __call__(self, batch: pa.Table) -> AsyncIterator[pa.Table]:
+    async def load(self) -> int:
+        """Documents in this replica now (submitted to its engine loop, result not back yet)."""
+        return self.loop.in_loop
+
+    async def infer(self, batch: pa.Table) -> pa.Table:
+        """The batch's rows with their answers (or their failure); fails when the replica itself is broken."""
         from clover_batch.model import EngineCapacityError
         from clover_batch.model.expert_parallel import ExpertParallelError
 
@@ -278,6 +298,8 @@ class InferStage:
                 if isinstance(gen, BaseException):
                     fail(row, "inference_error", f"{type(gen).__name__}: {gen}")
                     continue
+                if self.metrics is not None:
+                    self.metrics.generated(gen)
                 row["timings"] = {
                     **(row["timings"] or {}),
                     # this document's engine time: its prefill, and its share of every decode step it was in
@@ -298,7 +320,7 @@ class InferStage:
                     kernels=self.kernels,
                 )
             fault_point("inference")
-        yield to_table(rows)
+        return to_table(rows)
 
 
 def crashed_message(attempts: list[Attempt], max_attempts: int) -> str:

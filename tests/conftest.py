@@ -7,6 +7,7 @@ stages (0.5 CPU each) can run side by side on a 2-core runner. Subprocess tests 
 from __future__ import annotations
 
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def write_bad_docs(folder: Path) -> dict[str, str]:
     (folder / "empty.txt").write_bytes(b"")
     (folder / "binary.txt").write_bytes(bytes(range(256)) * 8)
     (folder / "latin1.txt").write_bytes("Caf\xe9 cr\xe8me, na\xefve r\xe9sum\xe9.".encode("latin-1"))
-    (folder / "slides.docx").write_bytes(b"PK\x03\x04 not really a docx")
+    (folder / "slides.pptx").write_bytes(b"PK\x03\x04 not really a pptx")
     make_pdf(folder / "scan.pdf", ["", ""])
     (folder / "huge.txt").write_text(words(600), encoding="utf-8")
     return {
@@ -63,7 +64,7 @@ def write_bad_docs(folder: Path) -> dict[str, str]:
         "empty.txt": "empty",
         "binary.txt": "binary",
         "latin1.txt": "decode_error",
-        "slides.docx": "unsupported_format",
+        "slides.pptx": "unsupported_format",
         "scan.pdf": "no_text",
         "huge.txt": "too_long",
     }
@@ -80,6 +81,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+METRICS_PORT: list[int] = []  # the session Ray's Prometheus endpoint, once started
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
@@ -87,10 +91,19 @@ def ray_session():
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
-    # address="local": a new Ray of our own, never a cluster some other process left in /tmp/ray
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    METRICS_PORT.append(_free_port())
+    # address="local": a new Ray of our own, never a cluster some other process left in /tmp/ray. Its metrics are
+    # exported on 127.0.0.1:METRICS_PORT, each process reporting every second (Ray's default: 10 s).
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             _metrics_export_port=METRICS_PORT[-1], _system_config={"metrics_report_interval_ms": 1000})
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def metrics_url(ray_session) -> str:
+    """The session Ray's Prometheus endpoint."""
+    return f"http://127.0.0.1:{METRICS_PORT[-1]}/metrics"
 
 
 def _free_port() -> int:
@@ -169,6 +182,17 @@ def write_job(path: Path, raw: dict) -> Path:
 
     path.write_text(yaml.safe_dump(raw))
     return path
+
+
+def assert_clean_ray_output(stderr: str) -> None:
+    """What a run printed holds no deprecation warning and no error-level Ray log (such as an actor whose restart
+    would fail because its constructor arguments live in the object store)."""
+    assert "Deprecat" not in stderr, stderr
+    assert "constructor arguments in the object store" not in stderr, stderr
+    # Ray's C++ logs ("[2026-01-01 10:00:00,000 E 123 123] core_worker.cc: ..."), Python's ("ERROR name: ...")
+    errors = [line for line in stderr.splitlines()
+              if re.match(r"^\[[\d\- :,]+ E \d+ \d+\]", line) or re.search(r"(^|\s)ERROR\s", line)]
+    assert not errors, errors
 
 
 def _engine_available() -> bool:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from clover_batch.connectors.fs import Location
 from clover_batch.connectors.sink import read_output
-from conftest import _free_port, requires_engine, write_job
+from conftest import _free_port, assert_clean_ray_output, requires_engine, write_job
 
 pytestmark = requires_engine
 
@@ -111,12 +111,14 @@ def test_example_job_on_a_ray_start_cluster_by_gcs_address_ray_client_and_ray_ad
     with _private_tmp() as tmp, ray_head(tmp) as (gcs, client):
         first = _cli(str(EXAMPLE_JOB), *sets, "--address", f"127.0.0.1:{gcs}")
         assert first.returncode == 0, first.stdout + first.stderr
+        assert_clean_ray_output(first.stderr)
         assert "5 processed, 0 already done" in first.stdout
         assert _report(out, first.stdout)["ray_address"] == f"127.0.0.1:{gcs}"
 
         (docs / "new-memo.txt").write_text("A new memo: the audit starts Monday.")
         second = _cli(str(EXAMPLE_JOB), *sets, "--address", f"ray://127.0.0.1:{client}")
         assert second.returncode == 0, second.stdout + second.stderr
+        assert_clean_ray_output(second.stderr)
         assert "1 processed, 5 already done" in second.stdout
         # the run executed on the cluster (Ray Data cannot run from a Ray Client): it reports the cluster's GCS
         assert _report(out, second.stdout)["ray_address"].endswith(f":{gcs}")
@@ -152,6 +154,8 @@ def test_no_address_starts_a_local_ray_whatever_a_stale_cluster_file_says(tmp_pa
                       "--set", "decode.max_new_tokens=4", env_extra={"RAY_TMPDIR": tmp}, timeout=180)
         assert result.returncode == 0, result.stdout + result.stderr
         assert time.monotonic() - start < 120
+        # the demo job on a Ray of its own: no deprecation warning, no error-level Ray log (lost constructor args)
+        assert_clean_ray_output(result.stderr)
         assert _report(out, result.stdout)["ray_address"] == "local"
     assert pq.read_table(str(out)).num_rows == 1
 

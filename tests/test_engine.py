@@ -9,7 +9,6 @@ import pytest
 import torch
 from clover_batch.model import DecodeOptions, Engine, EngineCapacityError, Request, generate, load_model
 from clover_batch.model.generate import generate_nocache, prompt_seed
-from clover_batch.model.slots import slot_bytes
 from clover_batch.pipeline.serving import EngineLoop
 from conftest import failing_on_token
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -74,7 +73,7 @@ def test_staggered_arrivals_equal_each_prompt_alone(models, mode):
     seen = {}
 
     def long_is_prefilling(engine):  # "c" arrives while the long prompt is still prefilling, others decoding
-        seen["prefilling"] = engine.prefilling is not None and engine.prefilling.req.id == "long"
+        seen["prefilling"] = any(lv.req.id == "long" for lv in engine.prefilling)
         seen["decoding"] = len(engine.decoding)
 
     def mid_block(engine):  # "long" arrives while a decoding sequence is inside a block
@@ -161,21 +160,27 @@ def test_restart_reruns_everything_in_flight_from_the_start(models):
 
 
 def test_memory_budget_bounds_the_active_slots(models):
+    """The budget pays for slots (fixed state) and pages (keys and values): what the engine holds never exceeds it,
+    and a budget without room for one sequence's slot and window is refused at the first request."""
     _, options = MODES["threshold"]
     model = models["tiny"]
-    per_slot = slot_bytes(model.config, model.dtype, window=24, max_forward_tokens=16).total
-    engine = Engine(model, options, memory_budget_bytes=3 * per_slot + per_slot // 2)
+    probe = Engine(model, options, max_slots=1, page_size=8)
+    b, window_pages = probe.slot_bytes, probe.window_pages
+    budget = 3 * b.fixed + window_pages * b.page + b.fixed // 2
+    engine = Engine(model, options, memory_budget_bytes=budget, page_size=8)
     assert engine.num_slots == 3
+    assert engine.num_slots * b.fixed + engine.num_pages * b.page <= budget
     for key in PROMPTS:
         engine.add(_request(key, options))
     while engine.has_work:
         engine.step()
-        assert engine.active <= 3
+        assert engine.active <= 3 and engine.slots.pool.used_pages <= engine.num_pages
     assert engine.stats.most_active == 3
-    assert Engine(model, options, memory_budget_bytes=10 * per_slot, max_slots=2).num_slots == 2
+    assert Engine(model, options, memory_budget_bytes=10 * budget, max_slots=2).num_slots == 2
 
-    small = Engine(model, options, memory_budget_bytes=per_slot - 1)
-    with pytest.raises(EngineCapacityError, match=r"one sequence slot needs .* MiB .* memory budget"):
+    small = Engine(model, options, memory_budget_bytes=b.fixed + window_pages * b.page - 1, page_size=8)
+    with pytest.raises(EngineCapacityError, match=r"one sequence needs .* MiB of slot state .* pages .* memory "
+                                                  r"budget"):
         small.add(_request("a", options))
 
 
@@ -204,10 +209,11 @@ class _StorageProbe(TorchDispatchMode):
 
 @pytest.mark.parametrize("mode", ["fixed-k3", "autoregressive"])
 def test_decode_steps_never_copy_the_caches(models, mode):
-    """Slot buffers keep their storage across steps, and a decode step touches the keys and values only by
-    in-place scatter, views and the attention kernel itself: no cat, gather or clone of a cache."""
+    """Slot and pool buffers keep their storage across steps, and a decode step touches the keys and values only by
+    writing its new keys in place and gathering each row's live keys (one gather per layer, no cat or clone of the
+    pool); the positions it records are written in place too."""
     name, options = MODES[mode]
-    engine = Engine(models[name], options, max_slots=4)
+    engine = Engine(models[name], options, max_slots=4, page_size=8)
     for key in ("long", "a", "c"):
         engine.add(_request(key, options))
     while len(engine.decoding) < 3:
@@ -216,7 +222,7 @@ def test_decode_steps_never_copy_the_caches(models, mode):
     ptrs = [t.data_ptr() for t in slots.buffers()]
     watched = {t.untyped_storage().data_ptr(): kind for kind, ts in (("kv", slots.keys), ("kv", slots.values))
                for t in ts if t is not None}
-    watched[slots.key_pos.untyped_storage().data_ptr()] = "key_pos"
+    watched[slots.pool_pos.untyped_storage().data_ptr()] = "pool_pos"
     probe = _StorageProbe(watched)
     with probe:
         for _ in range(3):
@@ -224,8 +230,10 @@ def test_decode_steps_never_copy_the_caches(models, mode):
             engine.step()
     assert [t.data_ptr() for t in slots.buffers()] == ptrs
     kv_ops = {op for op, kind in probe.ops if kind == "kv"}
-    assert kv_ops <= {"scatter_.src", "slice.Tensor", "alias.default", "scaled_dot_product_attention.default"}, kv_ops
-    assert ("scatter_.src", "kv") in probe.ops  # the new keys were written in place
+    assert kv_ops <= {"index_copy_.default", "index.Tensor", "slice.Tensor", "zero_.default"}, kv_ops
+    assert ("index_copy_.default", "kv") in probe.ops  # the new keys were written in place
+    assert {op for op, kind in probe.ops if kind == "pool_pos"} <= {"index_copy_.default", "slice.Tensor",
+                                                                   "fill_.Scalar"}
 
 
 def test_engine_loop_serves_concurrent_batches_and_isolates_a_failing_request(models):
@@ -294,12 +302,17 @@ def test_merged_commits_equal_separate_commits(models, mode):
     merged = _run(merged_engine, schedule, options)
     assert merged_engine.merge_commits and not Engine(model, options, max_slots=1).merge_commits  # CPU default: off
     commits_seen = 0
+    bs = model.config.diffusion.block_size
+    scoring = int(model.config.diffusion.logits_shift)  # the last block's scoring commit, in both
     for key, gen in separate.items():
         assert merged[key].tokens == gen.tokens, key
         assert merged[key].denoising_steps == gen.denoising_steps, key
-        commits = gen.forward_passes - merged[key].forward_passes  # separate: prefill + steps + commits
-        scoring = int(model.config.diffusion.logits_shift)  # the last block's scoring commit, in both
-        assert commits + scoring == gen.forward_passes - gen.denoising_steps - _prefill_forwards(key, options)
+        tail = len(PROMPTS[key]) % bs
+        blocks = -(-(tail + len(gen.tokens) + (gen.stopped == "eos")) // bs)
+        commits = gen.forward_passes - merged[key].forward_passes  # merged: one forward fewer per commit but the last
+        assert commits == blocks - 1, key
+        prefill = gen.forward_passes - gen.denoising_steps - commits - scoring
+        assert prefill >= _prefill_forwards(key, options), key  # chunks of 16 at most (packed: maybe smaller)
         assert (gen.mean_logprob is None) is not bool(scoring)
         if scoring:
             assert merged[key].mean_logprob == pytest.approx(gen.mean_logprob, abs=1e-5)
@@ -308,7 +321,8 @@ def test_merged_commits_equal_separate_commits(models, mode):
 
 
 def _prefill_forwards(key: str, options: DecodeOptions) -> int:
-    """Prefill pieces of a prompt: up to its last whole 8-token block, in 16-token chunks."""
+    """Prefill chunks of a prompt: up to its last whole 8-token block, in 16-token chunks (a packed prefill step
+    shares its token budget, so a prompt may take more, smaller pieces)."""
     whole = len(PROMPTS[key]) // 8 * 8
     return -(-whole // options.prefill_chunk_tokens)
 
@@ -323,8 +337,10 @@ def test_static_shape_decode_step_equals_the_ordinary_step(models, mode, merge):
     name, options = MODES[mode]
     model = models[name]
     schedule = {0: ["a", "c", "b"], 4: ["long"], 9: ["d"]}
-    ordinary = _run(Engine(model, options, max_slots=6, merge_commits=merge, cuda_graphs=False), schedule, options)
-    engine = Engine(model, options, max_slots=6, merge_commits=merge, cuda_graphs=True)
+    # a, c and b prefill in one packed forward and decode together (3 rows: bucket 4)
+    kw = dict(max_slots=6, merge_commits=merge, prefill_tokens_per_step=80)
+    ordinary = _run(Engine(model, options, cuda_graphs=False, **kw), schedule, options)
+    engine = Engine(model, options, cuda_graphs=True, **kw)
     static = _run(engine, schedule, options)
     assert engine.static is not None and not engine.static.capture
     assert {key[0] for key in engine.static.steps} >= {2, 4}  # padded buckets were used

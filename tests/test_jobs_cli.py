@@ -67,7 +67,7 @@ def test_run_refuses_an_output_inside_the_input(tmp_path):
     job.write_text(f"name: j\ninput: {{uri: '{tmp_path}/docs'}}\noutput: {{uri: '{tmp_path}/docs/out'}}\n"
                    "task: {kind: summarize}\n")
     result = CliRunner().invoke(app, ["run", str(job)])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a bad job: running it again would not help
     assert "is inside input.uri" in " ".join(result.output.split())
     assert not (tmp_path / "docs" / "out").exists()  # refused before anything was written
 

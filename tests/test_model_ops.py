@@ -336,7 +336,7 @@ def test_flex_block_mask_attention_equals_the_dense_reference(case):
 
 def test_mask_free_attention_is_claimed_only_when_every_key_is_visible():
     """SlotRows.all_visible decides on the host that a forward needs no mask; wherever it says so, the dense mask
-    built from the ring's real key positions is all True, and SDPA without a mask equals the masked one."""
+    built from the positions each row really reads (its gathered live keys) is all True."""
     from clover_batch.model import load_config
     from clover_batch.model.slots import SlotState
 
@@ -346,16 +346,15 @@ def test_mask_free_attention_is_claimed_only_when_every_key_is_visible():
                                           ([16, 24], 8, "block_causal", 64), ([16, 16], 8, "causal", 64),
                                           ([60, 60], 8, "block_causal", 64), ([12, 12], 8, "block_causal", 64),
                                           ([0], 16, "block_causal", 64)]:
-        state = SlotState(cfg, 2, window=window, max_forward_tokens=16)
+        state = SlotState(cfg, 2, window=window, max_forward_tokens=16, num_pages=24, page_size=8)
         for slot, n in enumerate(lengths):
-            if n:
-                state.key_pos[slot, :n] = torch.arange(n)
+            state.grow(slot, n + T)
             state.positions[slot] = n
         rows = state.rows(0, lengths, T, None)
-        q_pos = rows.positions[:, None] + torch.arange(T)
-        rows.write_key_positions(q_pos)
+        q_pos = rows.query_positions()
+        _, _, key_pos = rows.index()
         visible = q_pos if attention == "causal" else (q_pos // 8 + 1) * 8 - 1
-        mask = ops.AttentionMask(state.key_pos[:len(lengths), :rows.read], q_pos, visible, window)
+        mask = ops.AttentionMask(key_pos, q_pos, visible, window)
         if rows.all_visible(attention, 8):
             claimed += 1
             assert bool(mask.dense().all()), (lengths, T, attention)

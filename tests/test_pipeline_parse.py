@@ -29,7 +29,7 @@ def test_bad_documents_each_get_a_named_status(tmp_path):
     assert "password" in got["encrypted.pdf"].error
     assert "%%EOF" in got["truncated.pdf"].error
     assert "byte 0xe9 at offset 3" in got["latin1.txt"].error
-    assert ".docx" in got["slides.docx"].error
+    assert ".pptx" in got["slides.pptx"].error
     assert "2 pages" in got["scan.pdf"].error
 
 

@@ -1,10 +1,12 @@
 """Poison documents: one that kills the infer actor's process gets a `crashed` row after input.max_attempts deaths,
-and the documents that shared the engine with it are run again alone and come out `ok`, not charged with it."""
+and the documents that shared the engine with it are run again alone and come out `ok`, not charged with it. The
+actor comes back after each death (Ray restarts it from its small constructor arguments), and the run exits 3."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -15,7 +17,7 @@ from clover_batch.connectors.fs import Location
 from clover_batch.connectors.sink import read_output
 from clover_batch.jobs.runner import DEFAULT_RETRY_STATUSES, run
 from clover_batch.jobs.spec import parse_job
-from conftest import failing_on_token, job_raw, requires_engine, write_job
+from conftest import assert_clean_ray_output, failing_on_token, job_raw, requires_engine, write_job
 
 
 @pytest.mark.parametrize("store", ["local", "memory", "s3"])
@@ -234,7 +236,10 @@ def test_a_document_that_kills_the_actor_gets_a_crashed_row_and_the_run_complete
     cmd = [sys.executable, "-m", "clover_batch.jobs.cli", "run", str(job), "--address", ray_session]
     env = {**os.environ, "CLOVER_BATCH_FAULT_DOC": "crash_infer:poison"}
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stdout + first.stderr
+    assert first.returncode == 3, first.stdout + first.stderr  # completed, with a failed row
+    assert "1 documents have failed rows (crashed=1)" in first.stderr and "--retry-failed" in first.stderr
+    # the actor was killed twice mid-run and came back each time, with no word from Ray about lost arguments
+    assert_clean_ray_output(first.stderr)
 
     rows = {os.path.basename(r["source_uri"]): r for r in read_output(Location(str(out))).to_pylist()}
     assert len(rows) == 5 and len({r["doc_id"] for r in rows.values()}) == 5
@@ -244,14 +249,18 @@ def test_a_document_that_kills_the_actor_gets_a_crashed_row_and_the_run_complete
     assert "process died 2 times with this document in its engine" in error and "input.max_attempts=2" in error
     # first death with the others inside (they are run again alone, and come out ok), the second with it alone
     assert error.count(" pid ") == 2 and error.count("(alone)") == 1
+    assert len(set(re.findall(r" pid (\d+)", error))) == 2  # two processes: the actor was restarted
     # only the poison document is still on record; the others came back from the engine
     assert sorted(os.listdir(out / "_attempts")) == [f"{rows['poison.txt']['doc_id']}.json"]
 
     # every later run completes: a crashed row is final ...
     again = run(parse_job(raw)).report
     assert (again.processed, again.skipped_done) == (0, 5)
+    # ... and the run still says so: the output's rows are judged, not only this run's
+    assert (again.documents_by_status, again.failures, again.exit_code) == ({"crashed": 1, "ok": 4}, {"crashed": 1}, 3)
     assert os.listdir(out / "_attempts") == []  # records of committed documents are dropped
     # ... unless retried, here with the fault gone (say the node had too little memory that night)
     retried = run(parse_job(raw), retry_statuses=DEFAULT_RETRY_STATUSES).report
     assert (retried.retried, retried.processed, retried.output_rows, retried.by_status) == (1, 1, 5, {"ok": 1})
+    assert (retried.documents_by_status, retried.failures, retried.exit_code) == ({"ok": 5}, {}, 0)
     assert {r["status"] for r in read_output(Location(str(out))).to_pylist()} == {"ok"}

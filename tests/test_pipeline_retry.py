@@ -53,8 +53,8 @@ def test_nightly_sequence_on_s3_ends_with_one_ok_row_per_document(ray_session, s
     client.put_object(Bucket=bucket, Key="in/memo-new.txt", Body=b"A new memo: budgets are due.")
     client.put_object(Bucket=bucket, Key="in/memo-flaky.txt", Body=b"Another memo: the office moves.")
     second = _cli(job, ray_session, env={"CLOVER_BATCH_FAULT_DOC": "read_denied:memo-flaky"})
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert "2 processed, 3 already done" in second.stdout
+    assert second.returncode == 3, second.stdout + second.stderr  # completed, with an infrastructure failure
+    assert "2 processed, 3 already done" in second.stdout and "--retry-failed" in second.stderr
     rows = dict(_duckdb_rows(out))
     assert rows["memo-flaky.txt"] == "read_error" and rows["memo-new.txt"] == "ok" and len(rows) == 5
     flaky = [r for r in read_output(out).to_pylist() if r["source_uri"].endswith("memo-flaky.txt")]
@@ -112,10 +112,12 @@ def test_retry_status_must_name_a_status(tmp_path):
 
     job = write_job(tmp_path / "job.yaml", job_raw(str(tmp_path), str(tmp_path / "out")))
     result = CliRunner().invoke(app, ["run", str(job), "--retry-status", "read_eror"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # usage
     assert "--retry-status read_eror: not a row status (known: ok, read_error," in " ".join(result.output.split())
     result = CliRunner().invoke(app, ["run", str(job), "--retry-status", "ok"])
-    assert result.exit_code == 1 and "rows that succeeded are not run again" in " ".join(result.output.split())
+    assert result.exit_code == 2 and "rows that succeeded are not run again" in " ".join(result.output.split())
+    result = CliRunner().invoke(app, ["run", str(job), "--fail-on-status", "encryptd"])
+    assert result.exit_code == 2 and "--fail-on-status encryptd: not a row status" in " ".join(result.output.split())
     assert not (tmp_path / "out").exists()
 
 
