@@ -101,14 +101,18 @@ class Recipe:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     min_lr_ratio: float = 0.05
+    # Step counts: the whole run within 150 minutes on 2 cores. Measured at 1 thread on a 2-core machine at load
+    # ~3.3 (another process busy, so an upper bound for an idle machine at 1 or 2 threads): phase 1 0.85 s/step
+    # on short documents and 1.0 s/step on the mix, phase 2 2.3 s/step (its clean pass runs answer blocks one at a
+    # time, then the noised copies). 2,700 + 1,800 + 1,000 steps: about 107 minutes, plus seconds of tokenizer.
     # phase 1: autoregressive, next-token loss on whole sequences
-    ar_steps: int = 2000
+    ar_steps: int = 4500
     ar_lr: float = 3e-3
     ar_warmup: int = 60
     answer_weight: float = 3.0  # per-token weight of answer tokens (prompt and document tokens: 1)
     short_share: float = 0.6  # first share of phase 1: short documents only (no filler, never long)
     # phase 2: block diffusion from the phase-1 weights
-    bd_steps: int = 500
+    bd_steps: int = 1000
     bd_lr: float = 1e-3
     bd_warmup: int = 30
     bd_ar_weight: float = 0.5  # weight of the autoregressive loss kept beside the block-diffusion loss

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from clover_batch.jobs.demo_model import Recipe
 from clover_batch.model.options import DecodeOptions
 from rich.console import Console
 from rich.table import Table
@@ -238,8 +239,11 @@ def parity(
 def train_demo_command(
     out: Annotated[Path, typer.Option(help="Checkpoint directory to write.")] = Path("jobs/examples/demo"),
     seed: Annotated[int, typer.Option(help="Seed of the tokenizer corpus, initialisation, data order and noise.")] = 0,
-    ar_steps: Annotated[int | None, typer.Option(help="Phase 1 (autoregressive) steps; default: recipe's.")] = None,
-    bd_steps: Annotated[int | None, typer.Option(help="Phase 2 (block-diffusion) steps; default: recipe's.")] = None,
+    ar_steps: Annotated[int | None, typer.Option(
+        help=f"Phase 1 steps: autoregressive, next-token loss on whole sequences (recipe: {Recipe.ar_steps}).")] = None,
+    bd_steps: Annotated[int | None, typer.Option(
+        help=f"Phase 2 steps: block diffusion from the phase-1 weights, with {Recipe.bd_ar_weight} of the "
+             f"autoregressive loss kept (recipe: {Recipe.bd_steps}).")] = None,
     threads: Annotated[int, typer.Option(help="CPU threads for training (on a busy machine 1 is faster).")] = 2,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a checkpoint already in --out.")] = False,
     resume: Annotated[Path | None, typer.Option(
@@ -251,7 +255,7 @@ def train_demo_command(
     import dataclasses
     import logging
 
-    from clover_batch.jobs.demo_model import Recipe, train_demo
+    from clover_batch.jobs.demo_model import train_demo
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     recipe = Recipe(seed=seed, threads=threads)
@@ -260,6 +264,8 @@ def train_demo_command(
     if bd_steps is not None:
         recipe = dataclasses.replace(recipe, bd_steps=bd_steps)
     with _clean_errors():
+        if resume is not None and (ar_steps is not None or bd_steps is not None):
+            raise CommandError("--resume continues a run with its own recipe: --ar-steps and --bd-steps do not apply")
         try:
             if resume is not None:
                 out = resume

@@ -508,6 +508,8 @@ def train_phases(model: CloverModel, phases: list[Phase], batches: Callable[[int
             opt.load_state_dict(saved["optimizer"])
             gen.set_state(saved["noise"])
         result = logs[k]
+        if start_step == options.steps:  # saved at the end of this phase: nothing to replay
+            continue
         it = iter(batches(k))
         for _ in range(start_step):  # replay the stream to where the saved run was
             next(it)
