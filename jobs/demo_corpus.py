@@ -37,6 +37,7 @@ EXTRACT_FIELDS: dict[str, dict[str, Any]] = {
 TRAIN_SEEDS = range(0, 10_000_000)
 HELD_OUT_SEEDS = range(1_000_000_000, 1_000_100_000)
 EXAMPLE_SEEDS = range(2_000_000_000, 2_000_100_000)  # jobs/examples/docs
+FRESH_SEEDS = range(3_000_000_000, 3_000_100_000)  # bench/demo_jobs.py: never trained, evaluated or an example
 
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
           "November", "December")
@@ -151,6 +152,8 @@ class Document:
     fields: dict[str, Any]  # the EXTRACT_FIELDS values (dates as YYYY-MM-DD)
     summary: str  # the target summary sentence
     facts_end: int = 0  # characters of `text` up to the last fact a target uses
+    # the facts the summary states, each (kind, text as the summary writes it); kind: name, amount, date or other
+    summary_facts: list[tuple[str, str]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -238,7 +241,8 @@ def _log(rng: random.Random, n: int) -> list[str]:
 
 
 # ---- the five kinds ------------------------------------------------------------------------------------------
-# Each builder returns (title, fact paragraphs, fields, summary, extra); `make_document` adds filler and layout.
+# Each builder returns (title, fact paragraphs, fields, summary, the summary's facts); `make_document` adds filler
+# and layout.
 
 
 def _invoice(rng: random.Random):
@@ -274,7 +278,8 @@ def _invoice(rng: random.Random):
               "amount_eur": total, "deadline": due.isoformat()}
     summary = (f"Invoice {number} from {seller} to {buyer} for {fmt_eur(total)} EUR is due on "
                f"{fmt_date(due)}.")
-    return f"invoice-{number.lower()}", facts, fields, summary
+    said = [("other", number), ("name", seller), ("name", buyer), ("amount", fmt_eur(total)), ("date", fmt_date(due))]
+    return f"invoice-{number.lower()}", facts, fields, summary, said
 
 
 def _lease(rng: random.Random):
@@ -304,7 +309,9 @@ def _lease(rng: random.Random):
               "amount_eur": rent, "deadline": deposit_due.isoformat() if deposit_due else None}
     summary = (f"{tenant} leases the {premises} at {address} from {landlord} for {months} months from "
                f"{fmt_date(start)} at {fmt_eur(rent)} EUR per month.")
-    return f"lease-{tenant.split()[0].lower()}", facts, fields, summary
+    said = [("name", tenant), ("other", premises), ("other", address), ("name", landlord),
+            ("other", f"{months} months"), ("date", fmt_date(start)), ("amount", fmt_eur(rent))]
+    return f"lease-{tenant.split()[0].lower()}", facts, fields, summary, said
 
 
 def _minutes(rng: random.Random):
@@ -337,7 +344,10 @@ def _minutes(rng: random.Random):
               "amount_eur": budget, "deadline": deadline.isoformat()}
     summary = (f"On {fmt_date(held)} the {committee} of {org} {outcome}; {owner} will {action} by "
                f"{fmt_date(deadline)}.")
-    return f"minutes-{committee.split()[0].lower()}", facts, fields, summary
+    said = [("date", fmt_date(held)), ("other", committee), ("name", org),
+            *([("amount", fmt_eur(budget)), ("other", project)] if budget is not None else [("other", decision)]),
+            ("name", owner), ("other", action), ("date", fmt_date(deadline))]
+    return f"minutes-{committee.split()[0].lower()}", facts, fields, summary, said
 
 
 def _incident(rng: random.Random):
@@ -362,7 +372,9 @@ def _incident(rng: random.Random):
               "amount_eur": cost, "deadline": deadline.isoformat()}
     summary = (f"A {incident} at the {site} on {fmt_date(happened)} stopped work for {hours} hours and cost "
                f"{fmt_eur(cost)} EUR; {owner} will {follow} by {fmt_date(deadline)}.")
-    return f"incident-{ref.lower()}", facts, fields, summary
+    said = [("other", incident), ("other", site), ("date", fmt_date(happened)), ("other", f"{hours} hours"),
+            ("amount", fmt_eur(cost)), ("name", owner), ("other", follow), ("date", fmt_date(deadline))]
+    return f"incident-{ref.lower()}", facts, fields, summary, said
 
 
 def _purchase_order(rng: random.Random):
@@ -385,7 +397,9 @@ def _purchase_order(rng: random.Random):
               "amount_eur": total, "deadline": deliver.isoformat()}
     summary = (f"{buyer} ordered {qty} {item} from {supplier} for {fmt_eur(total)} EUR, to be delivered by "
                f"{fmt_date(deliver)}.")
-    return f"purchase-order-{number.lower()}", facts, fields, summary
+    said = [("name", buyer), ("other", f"{qty} {item}"), ("name", supplier), ("amount", fmt_eur(total)),
+            ("date", fmt_date(deliver))]
+    return f"purchase-order-{number.lower()}", facts, fields, summary, said
 
 
 BUILDERS = {"invoice": _invoice, "lease agreement": _lease, "meeting minutes": _minutes,
@@ -410,7 +424,7 @@ def make_document(seed: int, *, kind: str | None = None, long: bool | None = Non
     long = long if long is not None else rng.random() < 0.3
     wrap = wrap if wrap is not None else rng.random() < 0.35
     markdown = not wrap and rng.random() < 0.15
-    title, facts, fields, summary = BUILDERS[kind](rng)
+    title, facts, fields, summary, said = BUILDERS[kind](rng)
     header, body = facts[0], facts[1:]
     if markdown:
         header = f"# {header}"
@@ -434,7 +448,8 @@ def make_document(seed: int, *, kind: str | None = None, long: bool | None = Non
     # text from a PDF comes stripped, a text file ends with a newline
     text = head_text + (sep + sep.join(after) if after else "") + ("" if wrap else "\n")
     return Document(seed=seed, kind=kind, text=text, title=title, fields=fields, summary=summary,
-                    facts_end=len(head_text), extra={"long": long, "wrap": wrap, "markdown": markdown})
+                    facts_end=len(head_text), summary_facts=said,
+                    extra={"long": long, "wrap": wrap, "markdown": markdown})
 
 
 def held_out(n: int, *, start: int = 0) -> list[Document]:

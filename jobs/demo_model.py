@@ -1,20 +1,32 @@
-"""The `demo` checkpoint: a small Clover-shaped block-diffusion model trained here, on CPU, on the synthetic
-documents of `jobs/demo_corpus.py`, for the two example jobs (jobs/examples/summarize-local.yaml and
-extract-local.yaml).
+"""The `demo` checkpoint: a small model of Clover's layout trained here, on CPU, on the synthetic documents of
+`jobs/demo_corpus.py`, for the two example jobs (jobs/examples/summarize-local.yaml and extract-local.yaml).
 
 `clover-batch model train-demo --out jobs/examples/demo` is the one command that makes it (seeded):
 
-    BPE tokenizer trained on corpus text (digits split one per token; the chat special tokens and a mask token)
+    BPE tokenizer trained on corpus text (digits split one per token, a space before a capitalised word its own
+    token; the chat special tokens and a mask token)
     -> training pairs: the example jobs' own prompts (PromptBuilder: chat template + instruction + document)
        and the document's target summary / extraction JSON, ending with <|im_end|>; plus a copy drill
-       (`copy_share` of the pairs: "Repeat the list." and a list of random names, amounts and dates), which a
-       small model needs to learn copying a value out of its prompt within the time budget
-    -> block-diffusion training (clover_batch.model.train) of the DEMO_SHAPE model
-    -> config.json, model.safetensors, tokenizer.json and training.json (recipe, loss curve, time, load)
+       (`copy_share` of the pairs: "Repeat the list." and a list of random names, amounts and dates)
+    -> phase 1, autoregressive: next-token loss on whole sequences (prompt, document and answer; answer tokens
+       weighted `answer_weight`), the causal trunk that prefill and commits run; short documents first
+    -> phase 2, block diffusion from the phase-1 weights: Clover's preview operator trained on noised answer blocks
+       from causally committed states, with `bd_ar_weight` of the autoregressive loss kept (clover_batch.model.train)
+    -> config.json, model.safetensors, tokenizer.json and training.json (recipe, loss curves, time, load)
 
-The model is meaningful only on documents like the synthetic ones and with those two instructions; real work
-needs real Clover weights. Its attention window (`window_tokens`) is deliberately small, so a long document's
-early facts reach the answer only through the carried Gated DeltaNet state.
+The model has Clover's layout (`preview_operator: clover`: causal prefill and commits, the preview operator with
+the block-diffusion GDN tensors, next-token logits), so the example jobs run the code path a real Clover checkpoint
+runs. It is meaningful only on documents like the synthetic ones and with those two instructions; real work needs
+real Clover weights. Its attention window (`window_tokens`) is deliberately small, so a long document's early facts
+reach the answer only through the carried Gated DeltaNet state.
+
+Why the tokenizer isolates a space before a capital: byte-level BPE otherwise makes " Ironwood" (in the text,
+after a space) and "Ironwood" (in the answer, after `["`) two unrelated ids, so copying a party's first word out
+of the document is a per-word mapping to learn rather than a copy; digits were already single tokens, and dates and
+amounts were the fields an autoregressive demo copied while parties stayed at 0%.
+
+A run saves what resuming needs under OUT/resume every `save_every` steps; `train-demo --resume OUT` continues an
+interrupted run from its last save with the same data order, and the folder is removed when the run completes.
 """
 
 from __future__ import annotations
@@ -24,12 +36,17 @@ import logging
 import os
 import platform
 import random
+import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from clover_batch.jobs.demo_corpus import EXTRACT_FIELDS, TRAIN_SEEDS, Document, copy_drill, make_document
+
+if TYPE_CHECKING:
+    from clover_batch.model import CloverModel
 
 log = logging.getLogger(__name__)
 
@@ -77,28 +94,43 @@ class Recipe:
     """Everything the training run depends on; written to training.json beside the weights."""
 
     seed: int = 0
-    steps: int = 3000
-    batch_size: int = 16  # documents per step
-    lr: float = 3e-3
+    batch_size: int = 16  # training pairs per step
     # the input embedding's init scale: from 0.02 (the other matrices' scale) copying a value out of the prompt
     # did not form in 3,000 steps; from 0.5 a copy task is learned in a few hundred (model.train)
     embedding_std: float = 0.5
-    warmup: int = 60
-    min_lr_ratio: float = 0.05
     weight_decay: float = 0.01
     grad_clip: float = 1.0
+    min_lr_ratio: float = 0.05
+    # Step counts: the whole run within 150 minutes on 2 cores. Measured at 1 thread on a 2-core machine at load
+    # ~3.3 (another process busy, so an upper bound for an idle machine at 1 or 2 threads): phase 1 0.85 s/step
+    # on short documents and 1.0 s/step on the mix, phase 2 2.3 s/step (its clean pass runs answer blocks one at a
+    # time, then the noised copies). 2,700 + 1,800 + 1,000 steps: about 107 minutes, plus seconds of tokenizer.
+    # phase 1: autoregressive, next-token loss on whole sequences
+    ar_steps: int = 4500
+    ar_lr: float = 3e-3
+    ar_warmup: int = 60
+    answer_weight: float = 3.0  # per-token weight of answer tokens (prompt and document tokens: 1)
+    short_share: float = 0.6  # first share of phase 1: short documents only (no filler, never long)
+    # phase 2: block diffusion from the phase-1 weights
+    bd_steps: int = 1000
+    bd_lr: float = 1e-3
+    bd_warmup: int = 30
+    bd_ar_weight: float = 0.5  # weight of the autoregressive loss kept beside the block-diffusion loss
     eps: float = 0.1  # smallest mask rate
     noise_copies: int = 2
+    # data
     extract_share: float = 0.5  # share of training pairs that are extractions (the rest summaries)
     long_share: float = 0.2  # share of long documents (facts, then more than a window of log and notes)
-    short_share: float = 0.4  # first share of the steps: short documents only (no filler, never long)
     copy_share: float = 0.15  # share of training pairs that are the copy drill (demo_corpus.copy_drill)
     tokenizer_docs: int = 4000  # documents the BPE is trained on
+    split_capitals: bool = True  # the tokenizer isolates a space before a capitalised word (module docstring)
     threads: int = 2
+    save_every: int = 50  # steps between saves of the resume state
 
 
 def demo_config(shape: DemoShape):
-    from clover_batch.model import CloverConfig, DiffusionConfig
+    from clover_batch.model import CloverConfig
+    from clover_batch.model.config import clover_diffusion
 
     layer_types = tuple("full_attention" if (i + 1) % shape.full_attention_interval == 0 else "linear_attention"
                         for i in range(shape.layers))
@@ -112,7 +144,7 @@ def demo_config(shape: DemoShape):
         moe_intermediate_size=shape.expert_width, shared_expert_intermediate_size=shape.shared_expert_width,
         norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=shape.tie_embeddings,
         eos_token_ids=(ENDOFTEXT_ID, IM_END_ID), pad_token_id=ENDOFTEXT_ID,
-        diffusion=DiffusionConfig(block_size=shape.block_size, mask_token_id=MASK_ID),
+        diffusion=clover_diffusion(shape.block_size, MASK_ID),
         window_tokens=shape.window_tokens, prefill_chunk_tokens=shape.prefill_chunk_tokens, name="demo",
     )
 
@@ -148,13 +180,17 @@ def job_instructions() -> Instructions:
 # ---- tokenizer --------------------------------------------------------------------------------------------------
 
 
-def train_tokenizer(vocab_size: int, docs: int, instructions: Instructions):
-    """A byte-level BPE on corpus text; digits are single tokens (numbers are copied digit by digit)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+def train_tokenizer(vocab_size: int, docs: int, instructions: Instructions, *, split_capitals: bool = True):
+    """A byte-level BPE on corpus text; digits are single tokens (numbers are copied digit by digit), and with
+    `split_capitals` a space before a capital letter is a token of its own, so a name is the same ids after a
+    space in a document as after a quote in an answer (names are copied token for token; about 9% more tokens)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    pieces = [pre_tokenizers.Digits(individual_digits=True)]
+    if split_capitals:
+        pieces.append(pre_tokenizers.Split(Regex(r" (?=[A-Z])"), behavior="isolated"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*pieces, pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     corpus = [make_document(TRAIN_SEEDS[i]) for i in range(docs)]
     texts = [t for d in corpus for t in (d.text, d.summary, d.extraction)]
@@ -202,13 +238,13 @@ class PairMaker:
         return Example(self.prompt(doc, task), answer)
 
 
-def training_pairs(maker: PairMaker, recipe: Recipe, *, short: int = 0) -> Iterator:
+def training_pairs(maker: PairMaker, recipe: Recipe, *, short: int = 0, phase: int = 0) -> Iterator:
     """An endless seeded stream of training examples over the TRAIN_SEEDS documents; the first `short` ones are
-    short documents (no filler, never long)."""
-    rng = random.Random(recipe.seed)
-    i = 0
+    short documents (no filler, never long). Each phase draws its own documents (its own part of TRAIN_SEEDS)."""
+    rng = random.Random(recipe.seed * 1_000 + phase)
+    i = phase * len(TRAIN_SEEDS) // 2
     while True:
-        first = i < short
+        first = i < short + phase * len(TRAIN_SEEDS) // 2
         doc = make_document(TRAIN_SEEDS[(recipe.seed * 1_000_003 + i) % len(TRAIN_SEEDS)],
                             long=False if first else rng.random() < recipe.long_share, filler=not first)
         i += 1
@@ -218,66 +254,124 @@ def training_pairs(maker: PairMaker, recipe: Recipe, *, short: int = 0) -> Itera
             yield maker.example(doc, "extract" if rng.random() < recipe.extract_share else "summarize")
 
 
+def phases(recipe: Recipe):
+    """The recipe's training phases (model.train.Phase), those with steps."""
+    from clover_batch.model.train import Phase, TokenWeights, TrainOptions
+
+    common = {"min_lr_ratio": recipe.min_lr_ratio, "weight_decay": recipe.weight_decay,
+              "grad_clip": recipe.grad_clip, "seed": recipe.seed, "weights": TokenWeights(1.0, recipe.answer_weight)}
+    out = []
+    if recipe.ar_steps:
+        out.append(Phase("autoregressive", TrainOptions(steps=recipe.ar_steps, lr=recipe.ar_lr,
+                                                        warmup=recipe.ar_warmup, ar_weight=1.0, bd_weight=0.0,
+                                                        **common)))
+    if recipe.bd_steps:
+        out.append(Phase("block diffusion", TrainOptions(steps=recipe.bd_steps, lr=recipe.bd_lr,
+                                                         warmup=recipe.bd_warmup, eps=recipe.eps,
+                                                         noise_copies=recipe.noise_copies,
+                                                         ar_weight=recipe.bd_ar_weight, bd_weight=1.0, **common)))
+    if not out:
+        raise ValueError("the recipe has no training steps (ar_steps and bd_steps are both 0)")
+    return out
+
+
 # ---- the command ----------------------------------------------------------------------------------------------
+
+RESUME = "resume"  # OUT/resume: the recipe, the shape and the saved training state of an unfinished run
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "training.json")
 
 
 def train_demo(out: Path, recipe: Recipe = Recipe(), shape: DemoShape = DemoShape(), *,
-               overwrite: bool = False) -> dict:
-    """Train the demo checkpoint into `out`; returns the training report (also written as training.json)."""
+               overwrite: bool = False, resume: bool = False, threads: int | None = None,
+               on_log: Callable[[str, int, CloverModel, PairMaker], None] | None = None) -> dict:
+    """Train the demo checkpoint into `out`; returns the training report (also written as training.json).
+
+    resume: continue the unfinished run whose state is in OUT/resume (its recipe and shape; the ones given are
+    not used), from its last save, with the same data order. threads: CPU threads (default: the recipe's; a
+    resumed session may use another count). on_log(phase, step, model, pair maker): called at every logged step
+    (bench/demo_recipes.py probes the model there); it must leave the model as it found it.
+    """
     import torch
     from clover_batch.model import build_model, save_checkpoint
-    from clover_batch.model.train import TrainOptions, batches_by_prefix, init_for_training, train
+    from clover_batch.model.train import Saving, batches_by_prefix, init_for_training, train_phases
 
-    files = ("config.json", "model.safetensors", "tokenizer.json", "training.json")
-    if any((out / f).exists() for f in files) and not overwrite:
-        raise FileExistsError(f"{out} already holds a checkpoint; pass --overwrite to replace it")
-    out.mkdir(parents=True, exist_ok=True)
+    state_dir = out / RESUME
+    if resume:
+        if not (state_dir / "run.json").exists():
+            raise FileNotFoundError(f"{out} holds no unfinished training run ({state_dir / 'run.json'} is missing)")
+        run = json.loads((state_dir / "run.json").read_text())
+        recipe, shape = Recipe(**run["recipe"]), DemoShape(**run["shape"])
+    elif any((out / f).exists() for f in (*CHECKPOINT_FILES, RESUME)) and not overwrite:
+        raise FileExistsError(f"{out} already holds a checkpoint or an unfinished run; pass --overwrite to replace "
+                              f"it, or --resume {out} to continue the run")
+    threads = recipe.threads if threads is None else threads
     torch.manual_seed(recipe.seed)
-    torch.set_num_threads(recipe.threads)
+    torch.set_num_threads(threads)
     load_before = os.getloadavg()
     t0 = time.perf_counter()
 
     instructions = job_instructions()
-    tokenizer = train_tokenizer(shape.vocab_size, recipe.tokenizer_docs, instructions)
-    if tokenizer.get_vocab_size(with_added_tokens=True) > shape.vocab_size:
-        raise AssertionError("tokenizer larger than the model's vocabulary")
-    tokenizer.save(str(out / "tokenizer.json"))
-    tokenizer_s = time.perf_counter() - t0
+    if not resume:
+        shutil.rmtree(state_dir, ignore_errors=True)
+        out.mkdir(parents=True, exist_ok=True)
+        tokenizer = train_tokenizer(shape.vocab_size, recipe.tokenizer_docs, instructions,
+                                    split_capitals=recipe.split_capitals)
+        if tokenizer.get_vocab_size(with_added_tokens=True) > shape.vocab_size:
+            raise AssertionError("tokenizer larger than the model's vocabulary")
+        tokenizer.save(str(out / "tokenizer.json"))
+        state_dir.mkdir()
+        (state_dir / "run.json").write_text(json.dumps({"recipe": asdict(recipe), "shape": asdict(shape),
+                                                        "tokenizer_seconds": round(time.perf_counter() - t0, 1),
+                                                        "sessions": []}, indent=2) + "\n")
+    run = json.loads((state_dir / "run.json").read_text())
+    run["sessions"].append({"started": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": threads,
+                            "load_average_before": [round(x, 2) for x in load_before]})
+    (state_dir / "run.json").write_text(json.dumps(run, indent=2) + "\n")
 
     config = demo_config(shape)
     model = build_model(config)
     init_for_training(model, recipe.seed, embedding_std=recipe.embedding_std)
     maker = PairMaker(out, instructions)
-    short = int(recipe.short_share * recipe.steps) * recipe.batch_size
-    batches = batches_by_prefix(training_pairs(maker, recipe, short=short), recipe.batch_size, shape.block_size,
-                                seed=recipe.seed)
-    options = TrainOptions(steps=recipe.steps, lr=recipe.lr, warmup=recipe.warmup, min_lr_ratio=recipe.min_lr_ratio,
-                           weight_decay=recipe.weight_decay, grad_clip=recipe.grad_clip, eps=recipe.eps,
-                           noise_copies=recipe.noise_copies, seed=recipe.seed)
+    plan = phases(recipe)
+    short = int(recipe.short_share * recipe.ar_steps) * recipe.batch_size
 
-    def on_log(step: int, loss: float, seconds: float) -> None:
-        log.info("step %d/%d  loss %.4f  %.0f s  load %.2f", step, recipe.steps, loss, seconds, os.getloadavg()[0])
+    def batches(k: int):
+        stream = training_pairs(maker, recipe, short=short if plan[k].options.bd_weight == 0 else 0, phase=k)
+        return batches_by_prefix(stream, recipe.batch_size, shape.block_size, seed=recipe.seed + k)
 
-    curve = train(model, batches, options, on_log=on_log)
+    def logged(phase: str, step: int, report, seconds: float) -> None:
+        parts = "".join(f"  {n} {v:.4f}" for n, v in (("ar", report.ar), ("bd", report.bd)) if v is not None)
+        log.info("%s step %d  loss %.4f%s  %.0f s  load %.2f", phase, step, float(report.loss), parts, seconds,
+                 os.getloadavg()[0])
+        if on_log is not None:
+            on_log(phase, step, model, maker)
+
+    logs = train_phases(model, plan, batches, saving=Saving(state_dir / "state.pt", recipe.save_every),
+                        on_log=logged)
     # bf16 on disk halves the file (trained in fp32; jobs load it back as float32 or bfloat16 as they ask)
     save_checkpoint(model.to(torch.bfloat16), out)
-    total_s = time.perf_counter() - t0
     total, active = config.parameter_counts()
+    run["sessions"][-1]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     report = {
         "command": f"clover-batch model train-demo --out {out}",
         "recipe": asdict(recipe),
         "shape": asdict(shape),
         "parameters": {"total": total, "active_per_token": active},
         "instructions": asdict(instructions),
-        "loss_curve": {"steps": curve.steps, "loss": [round(x, 4) for x in curve.losses]},
-        "tokens_seen": curve.tokens,
-        "seconds": {"tokenizer": round(tokenizer_s, 1), "training": round(curve.seconds, 1),
-                    "total": round(total_s, 1)},
-        "machine": {"cpus": os.cpu_count(), "threads": recipe.threads, "platform": platform.platform(),
-                    "torch": torch.__version__, "load_average_before": [round(x, 2) for x in load_before],
-                    "load_average_after": [round(x, 2) for x in os.getloadavg()]},
+        "phases": [{"name": p.name, "steps": lg.steps, "loss": [round(x, 4) for x in lg.losses],
+                    "ar": [round(x, 4) for x in lg.ar], "bd": [round(x, 4) for x in lg.bd],
+                    "load_average": [round(x, 2) for x in lg.load], "tokens_seen": lg.tokens,
+                    "seconds": round(lg.seconds, 1), "cpu_seconds": round(lg.cpu_seconds, 1)}
+                   for p, lg in zip(plan, logs, strict=True)],
+        "seconds": {"tokenizer": run["tokenizer_seconds"], "training": round(sum(lg.seconds for lg in logs), 1),
+                    "training_cpu": round(sum(lg.cpu_seconds for lg in logs), 1)},
+        "sessions": run["sessions"],
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "torch": torch.__version__},
     }
+    report["seconds"]["total"] = round(report["seconds"]["tokenizer"] + report["seconds"]["training"], 1)
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    shutil.rmtree(state_dir)
     return report
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from clover_batch.jobs.demo_model import Recipe
 from clover_batch.model.options import DecodeOptions
 from rich.console import Console
 from rich.table import Table
@@ -238,29 +239,42 @@ def parity(
 def train_demo_command(
     out: Annotated[Path, typer.Option(help="Checkpoint directory to write.")] = Path("jobs/examples/demo"),
     seed: Annotated[int, typer.Option(help="Seed of the tokenizer corpus, initialisation, data order and noise.")] = 0,
-    steps: Annotated[int | None, typer.Option(help="Optimizer steps (default: the recipe's).")] = None,
-    threads: Annotated[int, typer.Option(help="CPU threads for training.")] = 2,
+    ar_steps: Annotated[int | None, typer.Option(
+        help=f"Phase 1 steps: autoregressive, next-token loss on whole sequences (recipe: {Recipe.ar_steps}).")] = None,
+    bd_steps: Annotated[int | None, typer.Option(
+        help=f"Phase 2 steps: block diffusion from the phase-1 weights, with {Recipe.bd_ar_weight} of the "
+             f"autoregressive loss kept (recipe: {Recipe.bd_steps}).")] = None,
+    threads: Annotated[int, typer.Option(help="CPU threads for training (on a busy machine 1 is faster).")] = 2,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a checkpoint already in --out.")] = False,
+    resume: Annotated[Path | None, typer.Option(
+        help="Continue the unfinished run in this directory (its --out) from its last save, with its recipe and "
+             "the same data order; --threads may differ.")] = None,
 ) -> None:
-    """Train the small `demo` checkpoint on synthetic documents (CPU, under an hour on 2 cores); see
-    jobs/demo_model.py."""
+    """Train the small `demo` checkpoint on synthetic documents (CPU, at most 150 minutes on 2 cores; resumable);
+    see jobs/demo_model.py."""
     import dataclasses
     import logging
 
-    from clover_batch.jobs.demo_model import Recipe, train_demo
+    from clover_batch.jobs.demo_model import train_demo
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     recipe = Recipe(seed=seed, threads=threads)
-    if steps is not None:
-        recipe = dataclasses.replace(recipe, steps=steps)
+    if ar_steps is not None:
+        recipe = dataclasses.replace(recipe, ar_steps=ar_steps)
+    if bd_steps is not None:
+        recipe = dataclasses.replace(recipe, bd_steps=bd_steps)
     with _clean_errors():
+        if resume is not None and (ar_steps is not None or bd_steps is not None):
+            raise CommandError("--resume continues a run with its own recipe: --ar-steps and --bd-steps do not apply")
         try:
-            report = train_demo(out, recipe, overwrite=overwrite)
-        except FileExistsError as e:
+            if resume is not None:
+                out = resume
+            report = train_demo(out, recipe, overwrite=overwrite, resume=resume is not None, threads=threads)
+        except (FileExistsError, FileNotFoundError) as e:
             raise CommandError(str(e)) from None
     size = (out / "model.safetensors").stat().st_size
     console.print(f"wrote {out}: {report['parameters']['total'] / 1e6:.2f}M parameters, model.safetensors "
-                  f"{size / 1e6:.1f} MB, final loss {report['loss_curve']['loss'][-1]}, "
+                  f"{size / 1e6:.1f} MB, final loss {report['phases'][-1]['loss'][-1]}, "
                   f"{report['seconds']['total'] / 60:.1f} min", highlight=False, soft_wrap=True)
 
 

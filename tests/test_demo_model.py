@@ -146,7 +146,14 @@ def test_demo_shape_is_the_committed_checkpoints_and_ties_through_a_checkpoint(d
     from clover_batch.model import build_model, save_checkpoint
     from clover_batch.model.weights import init_random_weights
 
-    assert dataclasses.replace(demo_config(DemoShape()), name=demo.config.name) == demo.config
+    ours = demo_config(DemoShape())
+    assert ours.diffusion.clover and ours.diffusion.logits_shift  # the recipe trains Clover's layout
+    made_by = json.loads((DEMO_DIR / "training.json").read_text())
+    if "phases" not in made_by:
+        # a checkpoint of the one-phase block-diffusion recipe (before the autoregressive phase) has the trunk's
+        # layout; its shape is still the recipe's
+        ours = dataclasses.replace(ours, diffusion=demo.config.diffusion)
+    assert dataclasses.replace(ours, name=demo.config.name) == demo.config
     assert demo.lm_head is not None and not demo.config.tie_word_embeddings
     # the tied variant bench/demo_recipes.py trains: one matrix, saved and loaded back as one
     tied = build_model(demo_config(DemoShape(tie_embeddings=True, window_tokens=32)))
@@ -180,3 +187,62 @@ def test_checkpoint_answers_held_out_documents(demo, one_thread):
     assert sum(sims) / len(sims) >= 0.5, sims
     tokens = sum(len(g.tokens) for g in ext + summ)
     assert tokens / sum(g.denoising_steps for g in ext + summ) > 1.5  # threshold decoding fills >1 per step
+
+
+def test_train_demo_resumes_an_interrupted_run_to_the_same_weights(tmp_path, one_thread):
+    """A seconds-long train-demo (a small shape, both phases) killed after phase 1 and continued with
+    `resume=True` writes exactly the checkpoint of an uninterrupted run, from its saved recipe; the resume state is
+    removed once the checkpoint is written, and an existing checkpoint is never overwritten by accident."""
+    import torch
+    from clover_batch.jobs.demo_model import RESUME, Recipe, train_demo
+    from safetensors.torch import load_file
+
+    shape = DemoShape(vocab_size=384, hidden_size=32, attention_heads=2, kv_heads=1, head_dim=16, gdn_value_heads=2,
+                      gdn_key_heads=1, gdn_head_dim=16, experts=2, expert_width=16, shared_expert_width=16,
+                      window_tokens=64)
+    recipe = Recipe(ar_steps=2, bd_steps=2, batch_size=2, save_every=1, threads=1, tokenizer_docs=40,
+                    ar_warmup=1, bd_warmup=1)
+    whole = train_demo(tmp_path / "whole", recipe, shape)
+
+    class Killed(Exception):
+        pass
+
+    def kill(phase: str, step: int, model, maker) -> None:
+        if phase == "autoregressive" and step == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_demo(tmp_path / "cut", recipe, shape, on_log=kill)
+    assert (tmp_path / "cut" / RESUME / "state.pt").exists() and not (tmp_path / "cut" / "model.safetensors").exists()
+    with pytest.raises(FileExistsError, match="--resume"):
+        train_demo(tmp_path / "cut", recipe, shape)
+    resumed = train_demo(tmp_path / "cut", resume=True)  # the recipe and shape come from the saved run
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [p["loss"] for p in resumed["phases"]] == [p["loss"] for p in whole["phases"]]
+    assert len(resumed["sessions"]) == 2 and not (tmp_path / "cut" / RESUME).exists()
+    assert resumed["recipe"] == whole["recipe"]
+
+
+def test_train_demo_command_options_and_refusals(tmp_path):
+    """`clover-batch model train-demo`: --help shows both phases' steps (with the recipe's) and --resume; a resumed
+    run takes no step counts (it keeps its recipe), a folder without an unfinished run cannot be resumed, and a
+    folder holding a checkpoint is not overwritten without --overwrite. Nothing trains here."""
+    from clover_batch.jobs.cli import app
+    from clover_batch.jobs.demo_model import Recipe
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    shown = runner.invoke(app, ["model", "train-demo", "--help"], terminal_width=200)
+    assert shown.exit_code == 0
+    for text in ("--ar-steps", "--bd-steps", "--resume", "--threads", f"recipe: {Recipe.ar_steps}",
+                 f"recipe: {Recipe.bd_steps}"):
+        assert text in shown.output, text
+    both = runner.invoke(app, ["model", "train-demo", "--resume", str(tmp_path), "--ar-steps", "3"])
+    assert both.exit_code == 2 and "--ar-steps" in both.output
+    nothing = runner.invoke(app, ["model", "train-demo", "--resume", str(tmp_path)])
+    assert nothing.exit_code == 2 and "no unfinished training run" in nothing.output
+    (tmp_path / "config.json").write_text("{}")
+    taken = runner.invoke(app, ["model", "train-demo", "--out", str(tmp_path)])
+    assert taken.exit_code == 2 and "--overwrite" in taken.output
+    assert (tmp_path / "config.json").read_text() == "{}"
