@@ -155,10 +155,10 @@ def _prefill_prompts(n: int = 48, seed: int = 3) -> list[list[int]]:
 
 def _prefill_rss(path: str, threads: int, queue) -> None:
     """In a fresh process: RSS once the checkpoint is loaded, then peak RSS over our prefill of the 48 prompts."""
-    import resource
-
     torch.set_num_threads(threads)
     model = load_model(path)
+    for p in model.parameters():  # read every weight once: a memory-mapped checkpoint is resident only once read
+        p.sum()
     prompts = _prefill_prompts()
     with open("/proc/self/status") as f:
         loaded = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
@@ -167,7 +167,10 @@ def _prefill_rss(path: str, threads: int, queue) -> None:
         engine.add(Request(str(i), p))
     while engine.has_work:
         engine.step()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec (a spawned child would report its parent's
+    # peak); VmHWM belongs to the process's own address space
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     sb = engine.slot_bytes
     need = len(prompts) * sb.fixed + sum(-(-(len(p) + 1) // sb.page_size) for p in prompts) * sb.page
     queue.put((loaded, peak, need, engine.stats.peak_pages))
@@ -221,7 +224,7 @@ def part_prefill(args) -> list[str]:
         child.start()
         loaded, peak, need, peak_pages = queue.get()
         child.join()
-    lines += [f"  peak RSS of our prefill (fresh process): {peak / 2**20:.0f} MiB; after loading the checkpoint "
+    lines += [f"  peak RSS of our prefill (fresh process): {peak / 2**20:.0f} MiB; with the checkpoint loaded and read "
               f"{loaded / 2**20:.0f} MiB, + the prompts' pages and 48 slots {need / 2**20:.0f} MiB = "
               f"{(loaded + need) / 2**20:.0f} MiB: {peak / (loaded + need):.2f}x (peak pages taken: {peak_pages})"]
     return lines

@@ -38,11 +38,16 @@ def measure(model, rows: int, prefix: int, reps: int, gen: torch.Generator) -> t
     """(preview ms, causal ms) of a whole forward over one block per row, and of one GDN layer's mixer alone."""
     cfg = model.config
     bs = cfg.diffusion.block_size
-    slots = SlotState(cfg, rows, window=cfg.window_tokens, max_forward_tokens=max(prefix, bs))
+    page = 256
+    per_row = -(-(prefix + bs) // page)
+    slots = SlotState(cfg, rows, window=cfg.window_tokens, max_forward_tokens=max(prefix, bs),
+                      num_pages=rows * per_row, page_size=page, device=model.device, dtype=model.dtype)
+    for slot in range(rows):  # pages for the prefix and the block
+        slots.grow(slot, prefix + bs)
     ids = torch.randint(0, cfg.vocab_size, (rows, prefix), generator=gen)
     model.forward_slots(ids, slots.rows(0, [0] * rows, prefix, None), attention="causal", keep_logits=0)
     # what a commit changes and a later one reads: GDN states, positions (its keys land on the same entries)
-    state = [t for t in (*slots.recurrent, *slots.conv) if t is not None] + [slots.positions, slots.key_pos]
+    state = [t for t in (*slots.recurrent, *slots.conv) if t is not None] + [slots.positions, slots.pool_pos]
     saved = [t.clone() for t in state]
 
     def restore() -> None:

@@ -103,9 +103,15 @@ def test_fuzz_parse_each_file_gets_one_named_status_and_matches_in_process(corpu
 
 @pytest.mark.slow
 def test_fuzz_pdfs_keep_their_statuses_under_markdown_and_ocr():
-    """The default (Markdown layout, OCR auto) on every fuzzed PDF: each status is the one plain text without OCR
-    gives (the statuses before this option existed), and no layout analysis crashes or hangs on a damaged PDF."""
-    pdfs = {n: d for n, d in {**fuzz_pdfs(seed=0), **fuzz_ebooks()}.items() if n.endswith((".pdf", ".epub", ".xps"))}
+    """The default (Markdown layout, OCR auto) on the fuzzed PDFs: each status is the one plain text without OCR
+    gives (the statuses before this option existed), and no layout analysis crashes or hangs on a damaged PDF.
+    Every hostile file and e-book, and a fixed third of the randomly damaged PDFs: layout analysis costs ~1 s per
+    file, and the other two thirds are damaged the same ways (the whole corpus is parsed as plain text in
+    test_fuzz_parse_each_file_gets_one_named_status_and_matches_in_process)."""
+    files = {**fuzz_pdfs(seed=0), **fuzz_ebooks()}
+    pdfs = {n: d for i, (n, d) in enumerate(sorted(files.items()))
+            if n.endswith((".pdf", ".epub", ".xps")) and (n.startswith("hostile.") or not n.endswith(".pdf")
+                                                          or i % 3 == 0)}
     parser = IsolatedParser()
     start = time.perf_counter()
     try:
@@ -118,7 +124,7 @@ def test_fuzz_pdfs_keep_their_statuses_under_markdown_and_ocr():
     counts = Counter(p.status for p in now.values())
     print(f"\nfuzz markdown: {len(pdfs)} files in {time.perf_counter() - start:.1f} s: {dict(counts)}")
     assert {n: p.status for n, p in now.items()} == {n: p.status for n, p in before.items()}
-    assert counts["parse_timeout"] == 1 and counts["ok"] >= 100  # the xobject bomb only
+    assert counts["parse_timeout"] == 1 and counts["ok"] >= 30  # the xobject bomb only
     assert all(p.text_source == "text" for p in now.values() if p.status == "ok")
 
 
@@ -139,8 +145,17 @@ def test_fuzz_texts_with_each_fallback_encoding(fallback):
             "\xff caf\xe9 \ufffd\ufffd\ufffd end"
 
 
+# the files the pipeline test names; with them every hostile file and a fixed third of the rest go through the
+# pipeline (every file's parse status is checked by test_fuzz_parse_each_file_gets_one_named_status_and_matches_in_
+# process; the pipeline test is about one row per file through Ray, whatever its status)
+NAMED = ("single-line-1mb.txt", "nul-after-8k.txt", "docx.zip-bomb.docx", "docx.missing-word-document.xml.docx",
+         "html.many-attributes.html", "html.original.html")
+
+
 @requires_engine
 def test_fuzz_pipeline_every_file_one_row_and_the_run_completes(ray_session, corpus, tmp_path):
+    corpus = {n: d for i, (n, d) in enumerate(sorted(corpus.items()))
+              if n.startswith("hostile.") or n in NAMED or i % 3 == 0}
     docs = tmp_path / "docs"
     docs.mkdir()
     for name, data in corpus.items():

@@ -116,13 +116,15 @@ def test_kill_while_writing_to_s3_then_rerun(ray_session, s3_server, s3_bucket, 
     location = Location(out, s3_server)
     survivors = read_output(location)
     committed = 0 if survivors is None else survivors.num_rows
-    assert committed == 2  # the third part was killed before its PUT: nothing half-visible
+    # the kill lands as the third part is written: the first is committed; the second is committed too, or (write
+    # tasks run side by side) between its write and its commit, and then not visible either; nothing half-visible
+    assert committed in (1, 2)
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="results/")["Contents"]]
     assert "results/_lock.json" in keys and not any(k.startswith("results/_reports/") for k in keys)
 
     # the killed driver's lock is taken over at once (its pid is gone on this host); one row per document
     report = run(parse_job(raw)).report
-    assert (report.skipped_done, report.processed) == (2, 3)
+    assert (report.skipped_done, report.processed) == (committed, 5 - committed)
     table = read_output(location)
     assert table.num_rows == 5 and len(set(table.column("doc_id").to_pylist())) == 5
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="results/")["Contents"]]
