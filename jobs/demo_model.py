@@ -104,7 +104,9 @@ class Recipe:
     # Step counts: the whole run within 150 minutes on 2 cores. Measured at 1 thread on a 2-core machine at load
     # ~3.3 (another process busy, so an upper bound for an idle machine at 1 or 2 threads): phase 1 0.85 s/step
     # on short documents and 1.0 s/step on the mix, phase 2 2.3 s/step (its clean pass runs answer blocks one at a
-    # time, then the noised copies). 2,700 + 1,800 + 1,000 steps: about 107 minutes, plus seconds of tokenizer.
+    # time, then the noised copies). The committed checkpoint's run (2026-12-05, 1 thread in phase 1, 2 in phase
+    # 2, beside other work at load 2-6): phase 1's 4,500 steps took 83 minutes; phase 2 was cut from 1,000 to 400
+    # steps at the phase boundary to fit that session (a resume may change phases not started yet).
     # phase 1: autoregressive, next-token loss on whole sequences
     ar_steps: int = 4500
     ar_lr: float = 3e-3
@@ -112,7 +114,7 @@ class Recipe:
     answer_weight: float = 3.0  # per-token weight of answer tokens (prompt and document tokens: 1)
     short_share: float = 0.6  # first share of phase 1: short documents only (no filler, never long)
     # phase 2: block diffusion from the phase-1 weights
-    bd_steps: int = 1000
+    bd_steps: int = 400
     bd_lr: float = 1e-3
     bd_warmup: int = 30
     bd_ar_weight: float = 0.5  # weight of the autoregressive loss kept beside the block-diffusion loss

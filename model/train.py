@@ -470,8 +470,12 @@ def _load_saved(saving: Saving | None, phases: list[Phase]) -> dict | None:
     if saving is None or not saving.path.exists():
         return None
     saved = torch.load(saving.path, map_location="cpu", weights_only=False)
-    if saved["phases"] != _recipe(phases):
-        raise ValueError(f"{saving.path} was saved by a run with other phases or options: {saved['phases']}")
+    # the phases that shaped the saved weights (those before the saved one, and it) must be the same; phases not
+    # started yet may differ (a longer or shorter last phase, decided at a phase boundary)
+    shaped = saved["phase"] + 1
+    if len(phases) < shaped or saved["phases"][:shaped] != _recipe(phases)[:shaped]:
+        raise ValueError(f"{saving.path} was saved by a run with other phases or options: "
+                         f"{saved['phases'][:shaped]}")
     return saved
 
 

@@ -373,12 +373,12 @@ def test_phase_two_adapts_the_autoregressive_model_to_block_diffusion(tmp_path, 
     assert after["ar"] >= 28 and after["t0.9"] >= 28 and after["k4"] >= 24, after
 
 
-def _phases_run(saving, interrupt=None) -> tuple[dict, list]:
+def _phases_run(saving, interrupt=None, bd_steps: int = 4) -> tuple[dict, list]:
     torch.manual_seed(0)
     model = load_model("tiny-clover", seed=0)
     init_for_training(model, seed=0, embedding_std=0.5)
     plan = [Phase("ar", TrainOptions(steps=5, lr=1e-2, warmup=2, log_every=1, ar_weight=1.0, bd_weight=0.0)),
-            Phase("bd", TrainOptions(steps=4, lr=5e-3, warmup=1, log_every=1, ar_weight=0.5, seed=3))]
+            Phase("bd", TrainOptions(steps=bd_steps, lr=5e-3, warmup=1, log_every=1, ar_weight=0.5, seed=3))]
 
     def batches(k: int):
         stream = _copy_examples(10 + k)
@@ -409,3 +409,22 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, o
         model = load_model("tiny-clover", seed=0)
         train_phases(model, [Phase("ar", TrainOptions(steps=7, ar_weight=1.0, bd_weight=0.0))],
                      lambda k: iter(()), saving=other)
+
+
+def test_a_phase_not_started_may_change_on_resume(tmp_path, one_thread):
+    """Stopped at the start of phase 2 (the last save is phase 1's end), the run resumes with a longer phase 2 and
+    ends as a run that had that phase 2 from the start; a resume that changes phase 1 is refused."""
+    saving = Saving(tmp_path / "state.pt", every=100)  # saves at phase ends only
+    with pytest.raises(KeyboardInterrupt):
+        _phases_run(saving, ("bd", 1))
+    resumed, logs = _phases_run(saving, bd_steps=6)
+    whole, whole_logs = _phases_run(None, bd_steps=6)
+    for name, value in whole.items():
+        assert torch.equal(value, resumed[name]), name
+    assert [lg.steps for lg in logs] == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6]]
+    assert [lg.losses for lg in logs] == [lg.losses for lg in whole_logs]
+    with pytest.raises(ValueError, match="other phases"):
+        torch.manual_seed(0)
+        model = load_model("tiny-clover", seed=0)
+        train_phases(model, [Phase("ar", TrainOptions(steps=7, ar_weight=1.0, bd_weight=0.0)),
+                             Phase("bd", TrainOptions(steps=6))], lambda k: iter(()), saving=saving)
