@@ -469,7 +469,8 @@ def _recipe(phases: list[Phase]) -> list[dict]:
 def _load_saved(saving: Saving | None, phases: list[Phase]) -> dict | None:
     if saving is None or not saving.path.exists():
         return None
-    saved = torch.load(saving.path, map_location="cpu", weights_only=False)
+    # tensors and plain data only: a state file never unpickles objects (or runs code)
+    saved = torch.load(saving.path, map_location="cpu", weights_only=True)
     # the phases that shaped the saved weights (those before the saved one, and it) must be the same; phases not
     # started yet may differ (a longer or shorter last phase, decided at a phase boundary)
     shaped = saved["phase"] + 1

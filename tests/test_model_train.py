@@ -33,14 +33,18 @@ from test_model_ops import assert_close
 PAD, EOS = 256, 258
 
 
-@pytest.fixture(scope="module")
-def tiny_small_window():
-    """tiny (block 8) with a 24-token attention window, so prompts here reach past it."""
-    model = load_model("tiny", seed=3)
+def _small_window(preset: str, seed: int):
+    model = load_model(preset, seed=seed)
     model.config = model.config.replace(window_tokens=24)
     for p in model.parameters():
         p.requires_grad_(True)
     return model
+
+
+@pytest.fixture(scope="module")
+def tiny_small_window():
+    """tiny (block 8) with a 24-token attention window, so prompts here reach past it."""
+    return _small_window("tiny", 3)
 
 
 def _examples(seed: int = 0) -> list[Example]:
@@ -187,11 +191,7 @@ def test_init_for_training_scales_only_the_input_embedding():
 @pytest.fixture(scope="module")
 def clover_small_window():
     """tiny-clover (Clover's layout: causal trunk, preview operator, shifted logits; block 8) with a 24-token window."""
-    model = load_model("tiny-clover", seed=5)
-    model.config = model.config.replace(window_tokens=24)
-    for p in model.parameters():
-        p.requires_grad_(True)
-    return model
+    return _small_window("tiny-clover", 5)
 
 
 def _plain_ar_loss(model, examples, weights: TokenWeights) -> torch.Tensor:
@@ -362,7 +362,7 @@ def test_phase_two_adapts_the_autoregressive_model_to_block_diffusion(tmp_path, 
     saving = Saving(tmp_path / "state.pt", every=1000)  # saves at the end of each phase only
     with pytest.raises(KeyboardInterrupt):  # stopped as phase 2 starts: phase 1 is saved
         train_phases(model, [ar, bd], batches, saving=saving, on_log=_stop_at(("bd", 5)))
-    model.load_state_dict(torch.load(saving.path, weights_only=False)["model"])
+    model.load_state_dict(torch.load(saving.path, weights_only=True)["model"])
     after_ar = {"ar": copied(mode="autoregressive"), "t0.9": copied(threshold=0.9)}
     assert after_ar["ar"] >= 28 and after_ar["t0.9"] <= 4, after_ar  # measured 32 and 0
 
