@@ -20,6 +20,10 @@ Parts:
   prompt 1,024 tokens in) together with 16 decode rows (1 token each, 256 committed), against the two forwards
   the engine runs now (the chunk alone, then the 16 rows' decode step); on the slots directly, positions reset
   after each forward so every repeat does the same work.
+- layout: what storing GEMM weights column-major on a CPU ([in, out] contiguous, the parameter a transposed view)
+  would buy: a copy of the model so stored against it as loaded (row-major), decode at 16 sequences and the
+  48-prompt prefill, the two sides taking turns rep by rep; then single GEMMs at decode and prefill sizes, which
+  run with their weights in cache and so overstate what a decode step (weights streamed from memory) gains.
 - steps: decode step time with 1K vs 16K committed tokens per slot (8 slots, window 32K, diffusion k=4), and the
   share of the step spent copying state: every aten op that copies from or into the slot buffers (clone, copy_,
   index_copy_, scatter_, cat, index_select, ...) is timed inside the step, against the step's plain wall time.
@@ -32,11 +36,13 @@ import logging
 import math
 import os
 import random
+import statistics
 import tempfile
 import time
 
 import torch
 from clover_batch.model import DecodeOptions, Engine, Request, generate, load_model, save_checkpoint
+from clover_batch.model.moe import Experts
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -135,12 +141,8 @@ def part_ar16(args) -> list[str]:
         raise SystemExit("greedy autoregressive output differs from transformers' generate at batch 16")
     N = args.new_tokens
 
-    def decode_seconds(run) -> float:
-        run(1)  # warm-up
-        best = {n: min(_timed(lambda n=n: run(n)) for _ in range(args.reps)) for n in (N, 1)}
-        return best[N] - best[1]
-
-    ours_s, theirs_s = decode_seconds(run_ours), decode_seconds(run_theirs)
+    times = _decode_seconds({"ours": run_ours, "theirs": run_theirs}, N, args.reps)
+    ours_s, theirs_s = times["ours"], times["theirs"]
     rate = lambda s: 16 * (N - 1) / s  # noqa: E731
     return [f"autoregressive decode at 16 sequences (prompt 256, {N} new tokens; greedy outputs identical):",
             f"  ours {rate(ours_s):.1f} tokens/s, transformers generate {rate(theirs_s):.1f} tokens/s: "
@@ -309,6 +311,97 @@ def part_mixing(args) -> list[str]:
     return lines
 
 
+def part_layout(args) -> list[str]:
+    import copy
+
+    row = load_model(f"{args.preset}-ar", seed=0)
+    col = copy.deepcopy(row)
+    with torch.no_grad():
+        for module in col.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.data = module.weight.data.t().contiguous().t()
+            elif isinstance(module, Experts):
+                for p in (module.gate_up_proj, module.down_proj):
+                    p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, 256, (16, 256), generator=gen).tolist()
+    N = args.new_tokens
+
+    def decoder(model):
+        return lambda n: generate(model, prompts, max_new_tokens=n, stop_token_ids=[])
+
+    pre = _prefill_prompts()
+
+    def prefiller(model):
+        return lambda: generate(model, pre, max_new_tokens=1, stop_token_ids=[])
+
+    if [g.tokens for g in generate(row, prompts, max_new_tokens=16, stop_token_ids=[])] != \
+            [g.tokens for g in generate(col, prompts, max_new_tokens=16, stop_token_ids=[])]:
+        raise SystemExit("greedy output differs between the two layouts")
+    d = _decode_seconds({"row": decoder(row), "col": decoder(col)}, N, args.reps)
+    pf = _alternating({"row": prefiller(row), "col": prefiller(col)}, args.reps)
+    d_row, d_col, p_row, p_col = d["row"], d["col"], pf["row"], pf["col"]
+
+    def stepping(model) -> Engine:  # 16 sequences decoding (prompts of 256), past their prefill
+        engine = Engine(model, DecodeOptions(max_new_tokens=10_000, stop_token_ids=()), max_slots=16)
+        for i, prompt in enumerate(prompts):
+            engine.add(Request(str(i), prompt))
+        while engine.waiting or engine.prefilling:
+            engine.step()
+        return engine
+
+    engines = {"row": stepping(row), "col": stepping(col)}
+    steps: dict[str, list[float]] = {"row": [], "col": []}
+    for _ in range(3 * args.reps):
+        for name, engine in engines.items():
+            steps[name].append(statistics.median(_timed(engine.step) for _ in range(10)))
+    s_row, s_col = min(steps["row"]), min(steps["col"])
+    tokens = sum(len(p) for p in pre)
+    lines = ["GEMM weights column-major vs row-major (as loaded), same values (greedy outputs identical):",
+             f"  decode at 16 sequences: {16 * (N - 1) / d_col:.1f} vs {16 * (N - 1) / d_row:.1f} tokens/s: "
+             f"{d_row / d_col:.2f}x",
+             f"  prefill of 48 prompts ({tokens} tokens): {tokens / p_col:.0f} vs {tokens / p_row:.0f} tokens/s: "
+             f"{p_row / p_col:.2f}x",
+             f"  one decode step of 16 rows (best median of 10 steps, {3 * args.reps} turns): {s_col * 1e3:.1f} vs "
+             f"{s_row * 1e3:.1f} ms: {s_row / s_col:.2f}x",
+             "  single GEMMs x @ W.T (x [M, in], W [out, in]); us per call, row-major / column-major:"]
+    D, cfg = col.config.hidden_size, col.config
+    shapes = [("GDN in_proj_qkv", cfg.linear_num_key_heads * cfg.linear_key_head_dim * 2
+               + cfg.linear_num_value_heads * cfg.linear_value_head_dim, D), ("lm_head", cfg.vocab_size, D),
+              ("shared expert down", D, cfg.shared_expert_intermediate_size)]
+    def per_call(x: torch.Tensor, w: torch.Tensor, reps: int) -> float:
+        return min(_timed(lambda: [torch.nn.functional.linear(x, w) for _ in range(reps)]) for _ in range(3)) / reps
+
+    for M in (1, 4, 16, 64, 2048):
+        cells = []
+        for name, n_out, n_in in shapes:
+            x, w = torch.randn(M, n_in), torch.randn(n_out, n_in)
+            reps = max(3, 2000 // M)
+            t_row, t_col = per_call(x, w, reps), per_call(x, w.t().contiguous().t(), reps)
+            cells.append(f"{name} {n_out}x{n_in}: {t_row * 1e6:.0f}/{t_col * 1e6:.0f} ({t_row / t_col:.2f}x)")
+        lines.append(f"    M={M}: " + "; ".join(cells))
+    return lines
+
+
+def _alternating(runs: dict, reps: int) -> dict:
+    """Best seconds of each named callable, the callables taking turns rep by rep: on a shared machine a slow spell
+    then lands on both sides instead of on whichever ran during it."""
+    best = dict.fromkeys(runs, math.inf)
+    for _ in range(reps):
+        for name, fn in runs.items():
+            best[name] = min(best[name], _timed(fn))
+    return best
+
+
+def _decode_seconds(runs: dict, N: int, reps: int) -> dict:
+    """Decode time of each `run(n)` as run(N) - run(1) (the prefill cancels), sides alternating."""
+    for run in runs.values():
+        run(1)  # warm-up
+    best = _alternating({(name, n): (lambda run=run, n=n: run(n)) for name, run in runs.items() for n in (N, 1)},
+                        reps)
+    return {name: best[(name, N)] - best[(name, 1)] for name in runs}
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -371,7 +464,7 @@ def part_steps(args) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench", help="diffusion preset; PRESET-ar is its autoregressive twin")
-    ap.add_argument("--parts", nargs="+", default=["mixed", "ar16", "prefill", "capacity", "mixing", "steps"])
+    ap.add_argument("--parts", nargs="+", default=["mixed", "ar16", "prefill", "capacity", "mixing", "steps", "layout"])
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--mixed-modes", nargs="+", default=["autoregressive", "diffusion"])
     ap.add_argument("--policies", type=int, nargs="+", default=[0, 1, 4], help="decode steps per prefill step")
@@ -389,7 +482,7 @@ def main() -> None:
     for part in args.parts:
         parts = {"mixed": part_mixed, "ar16": part_ar16, "prefill": part_prefill, "capacity": part_capacity,
                  "mixing": part_mixing,
-                 "steps": part_steps}
+                 "steps": part_steps, "layout": part_layout}
         lines += [*parts[part](args), ""]
     print("\n".join(lines))  # the report is this script's output
 

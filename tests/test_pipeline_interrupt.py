@@ -122,9 +122,13 @@ def test_kill_while_writing_to_s3_then_rerun(ray_session, s3_server, s3_bucket, 
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="results/")["Contents"]]
     assert "results/_lock.json" in keys and not any(k.startswith("results/_reports/") for k in keys)
 
-    # the killed driver's lock is taken over at once (its pid is gone on this host); one row per document
+    # the killed driver's lock is taken over at once (its pid is gone on this host); one row per document. The
+    # dead driver's write task of the second part runs in a worker that Ray stops only some time after the driver
+    # is gone, so that part may still commit before the rerun lists the output: the rerun skips what is committed
+    # when it starts, and processes exactly the rest
     report = run(parse_job(raw)).report
-    assert (report.skipped_done, report.processed) == (committed, 5 - committed)
+    assert committed <= report.skipped_done <= 2
+    assert report.processed == 5 - report.skipped_done
     table = read_output(location)
     assert table.num_rows == 5 and len(set(table.column("doc_id").to_pylist())) == 5
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="results/")["Contents"]]
