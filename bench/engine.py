@@ -369,6 +369,7 @@ def part_layout(args) -> list[str]:
     shapes = [("GDN in_proj_qkv", cfg.linear_num_key_heads * cfg.linear_key_head_dim * 2
                + cfg.linear_num_value_heads * cfg.linear_value_head_dim, D), ("lm_head", cfg.vocab_size, D),
               ("shared expert down", D, cfg.shared_expert_intermediate_size)]
+
     def per_call(x: torch.Tensor, w: torch.Tensor, reps: int) -> float:
         return min(_timed(lambda: [torch.nn.functional.linear(x, w) for _ in range(reps)]) for _ in range(3)) / reps
 
