@@ -182,21 +182,26 @@ class AttentionContext:
     packing: Packing | None = None  # several sequences packed along the token axis of one row (slots.py)
     _masks: dict = field(default_factory=dict)
 
-    def mask(self, keys_at: torch.Tensor | PagedKeys) -> ops.AttentionMask | ops.PagedMask:
-        """The mask over these keys (their positions [B, S], or the page pool's tables); layers whose keys sit at
-        the same positions share one (built once). A packed forward's queries are laid out per sequence here
-        ([n, Tmax]), as attention runs them."""
+    def mask(self, keys_at: torch.Tensor | PagedKeys, rows: torch.Tensor | None = None, *,
+             exact: bool = True) -> ops.AttentionMask | ops.PagedMask:
+        """The mask over these keys (their positions [b, S], or the page pool's tables) for the queries of `rows`
+        (None: every row); layers whose keys sit at the same positions share one (built once). A packed forward's
+        queries are laid out per sequence here ([n, Tmax]), as attention runs them. exact: the keys carry no
+        padding beyond what the rows' positions imply, so a host-known `all_visible` holds for them."""
         key: tuple = ((keys_at.data_ptr(), tuple(keys_at.shape), tuple(keys_at.stride()))
                       if isinstance(keys_at, torch.Tensor) else ("paged", id(keys_at.pool_pos)))
         if key not in self._masks:
             q_pos, visible = self.q_pos, self.visible_until
             if self.packing is not None:
                 q_pos, visible = q_pos[0][self.packing.unpack], visible[0][self.packing.unpack]
+            if rows is not None:
+                q_pos, visible = q_pos[rows], visible[rows]
             if isinstance(keys_at, PagedKeys):
                 self._masks[key] = ops.PagedMask(keys_at.table, keys_at.pool_pos, keys_at.page_size, q_pos, visible,
                                                  self.window)
             else:
-                self._masks[key] = ops.AttentionMask(keys_at, q_pos, visible, self.window, self.all_visible)
+                self._masks[key] = ops.AttentionMask(keys_at, q_pos, visible, self.window,
+                                                     self.all_visible and exact)
         return self._masks[key]
 
 
@@ -221,13 +226,20 @@ class GatedAttention(nn.Module):
         v = ops.linear(x_BTD, self.v_proj.weight).view(B, T, self.Hkv, self.Dh).transpose(1, 2)
         q, k = ops.apply_rope(q, ctx.cos, ctx.sin), ops.apply_rope(k, ctx.cos, ctx.sin)
 
-        keys, values, key_pos, state = state.extended(k, v, ctx.q_pos)  # [B, Hkv, S, Dh], [B, S]
-        if ctx.packing is None:
-            out = ops.attention(q, keys, values, ctx.mask(key_pos)).transpose(1, 2)  # [B, T, H, Dh]
-        else:  # queries per sequence [n, H, Tmax, Dh] against each one's keys, then packed back
-            p = ctx.packing
-            rows = q[0].transpose(0, 1)[p.unpack].permute(0, 2, 1, 3)
-            out = ops.attention(rows, keys, values, ctx.mask(key_pos)).transpose(1, 2)
+        reads, state = state.extended(k, v, ctx.q_pos)
+        p = ctx.packing
+        # a packed forward's queries per sequence [n, H, Tmax, Dh], each against its own keys, then packed back
+        rows_q = q if p is None else q[0].transpose(0, 1)[p.unpack].permute(0, 2, 1, 3)
+        if len(reads) == 1 and reads[0].rows is None:
+            r = reads[0]
+            out = ops.attention(rows_q, r.keys, r.values, ctx.mask(r.key_pos, exact=r.exact))
+        else:  # groups of rows that read different numbers of keys (slots.SlotRows.read_groups)
+            out = torch.empty_like(rows_q)
+            for r in reads:
+                out[r.rows] = ops.attention(rows_q[r.rows], r.keys, r.values,
+                                            ctx.mask(r.key_pos, r.rows, exact=r.exact))
+        out = out.transpose(1, 2)  # [B, T, H, Dh] (packed: [n, Tmax, H, Dh])
+        if p is not None:
             out = out.reshape(-1, self.H, self.Dh)[p.repack][None]  # [1, T, H, Dh]
         out = out.reshape(B, T, self.H * self.Dh) * torch.sigmoid(gate.reshape(B, T, -1))
         return ops.linear(out, self.o_proj.weight), state

@@ -42,6 +42,7 @@ from . import kernels
 from .config import CloverConfig
 from .pages import PagePool, pages_for
 from .preview import PreviewPlan
+from .state import KeyRead
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,19 @@ class PagedKeys:
 
 
 @dataclass
+class PageRead:
+    """One group of a forward's rows that read their keys page by page (SlotRows.page_reads)."""
+
+    rows: torch.Tensor | None  # [b] the rows (sequences of a packed forward); None: every row, in order
+    pages: torch.Tensor  # [b * P] physical pages, row by row in position order (the null page past a row's end)
+    count: int  # b
+    width: int  # P pages per row
+    key_pos: torch.Tensor  # [b, K] the position of each read entry, -1 = not the row's (K = P * ps, or exact)
+    span: slice  # the entries of the P * ps read that are kept
+    exact: bool  # every kept entry is a live key of its row
+
+
+@dataclass
 class Packing:
     """How a packed forward's T tokens (one row of input) belong to its n sequences."""
 
@@ -155,10 +169,21 @@ class SlotState:
         self.pool_pos = torch.full((N,), -1, dtype=torch.long, device=device)  # position held by each entry
         self.table = torch.full((S, self.columns), -1, dtype=torch.long, device=device)  # physical page per column
         self.positions = torch.zeros(S, dtype=torch.long, device=device)  # committed tokens per slot
+        # dense attention reads whole pages per group of rows (SlotRows.page_reads); False: entry by entry, the
+        # reference (tests compare the two)
+        self.read_pages = True
+        self._scratch = torch.empty(0, dtype=dtype, device=device)
 
     @property
     def device(self) -> torch.device:
         return self.positions.device
+
+    def scratch(self, numel: int) -> torch.Tensor:
+        """A flat buffer of at least `numel` elements for the keys and values one attention layer reads (kept
+        between layers and forwards: a fresh allocation of that size each time costs its page faults)."""
+        if self._scratch.numel() < numel:
+            self._scratch = torch.empty(numel, dtype=self._scratch.dtype, device=self.device)
+        return self._scratch
 
     def buffers(self) -> list[torch.Tensor]:
         """Every state tensor (to check that they are only ever written in place)."""
@@ -284,6 +309,8 @@ class SlotRows:
         # keys each row reads: its last min(L, window - 1) committed keys and the new ones, the longest row's count
         self.reads = max(min(n, self.window - 1) for n in lengths) + tokens
         self._index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._write: torch.Tensor | None = None
+        self._pages: list[PageRead] | None = None
 
     @classmethod
     def static(cls, state: SlotState, start: int, rows: int, tokens: int, commit_mask: torch.Tensor,
@@ -374,14 +401,20 @@ class SlotRows:
         page = torch.where(page >= 0, page, st.pool.num_pages)
         return page * ps + q_pos % ps
 
+    def write_index(self) -> torch.Tensor:
+        """[B, T] or [1, T]: the new tokens' pool entries (built once per forward, shared by every layer)."""
+        if self._write is None:
+            self._write = self._entries(self.query_positions())
+        return self._write
+
     def index(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(write [B, T] or [1, T]: the new tokens' pool entries; read [B, K]: the entries each row reads, padding
         on the null page; key_pos [B, K]: their positions, -1 = padding; read and key_pos None on the paged path).
-        Built once per forward on the device, shared by every attention layer."""
+        Built once per forward on the device, shared by every attention layer. The entry-by-entry gather: the
+        reference for `page_reads`, and the path of static rows (whose lengths the host does not know)."""
         if self._index is None:
             st, K = self.state, self.reads
-            q_pos = self.query_positions()
-            write = self._entries(q_pos)
+            write = self.write_index()
             if self.paged:
                 self._index = (write, None, None)
                 return self._index
@@ -397,9 +430,53 @@ class SlotRows:
             self._index = (write, read, torch.where(live, pos, -1))
         return self._index
 
+    @property
+    def reads_pages(self) -> bool:
+        """Whether attention layers read whole pages per group of rows (`page_reads`), else entry by entry."""
+        return not self.paged and self.lengths is not None and self.state.read_pages
+
+    def page_reads(self) -> list[PageRead]:
+        """What each group of rows reads, page by page: rows are grouped by how many pages their live keys span
+        (1, 2, 3-4, 5-8, ...: a group pads its rows to at most twice what each needs), and each group reads its
+        rows' pages [b, P] whole (the null page past a row's last one). A row of L committed tokens and T new ones
+        reads positions [max(0, L - window + 1), L + T); the other entries of its pages get key_pos -1. When every
+        row of a group starts at the same offset in its first page and reads as many keys, the group reads exactly
+        those entries (no padding: the layers may then skip the mask). Built once per forward, on the host from
+        the rows' lengths, shared by every attention layer."""
+        if self._pages is None:
+            assert self.lengths is not None
+            st, ps, dev = self.state, self.state.page_size, self.state.device
+            B = self.end - self.start
+            tokens = self.packing.lengths if self.packing is not None else [self.tokens] * B
+            spans = [(max(0, L - self.window + 1), L + t - 1) for L, t in zip(self.lengths, tokens, strict=True)]
+            buckets: dict[int, list[int]] = {}
+            for i, (first, last) in enumerate(spans):
+                buckets.setdefault((last // ps - first // ps).bit_length(), []).append(i)
+            table = st.table[self.start:self.end]
+            groups = []
+            for members in buckets.values():
+                firsts, lasts = [spans[i][0] for i in members], [spans[i][1] for i in members]
+                P = max(b // ps - a // ps + 1 for a, b in zip(firsts, lasts, strict=True))
+                info = torch.tensor([[a // ps for a in firsts], firsts, lasts], dtype=torch.long).to(dev)
+                rows = None if len(members) == B else torch.tensor(members, dtype=torch.long, device=dev)
+                logical = info[0][:, None] + torch.arange(P, device=dev)  # [b, P]
+                page = (table if rows is None else table[rows]).gather(1, logical % st.columns)
+                page = torch.where((logical <= (info[2] // ps)[:, None]) & (page >= 0), page, st.pool.num_pages)
+                pos = (logical[:, :, None] * ps + torch.arange(ps, device=dev)).flatten(1)  # [b, P * ps]
+                key_pos = torch.where((pos >= info[1][:, None]) & (pos <= info[2][:, None]), pos, -1)
+                offsets, counts = {a % ps for a in firsts}, {b - a + 1 for a, b in zip(firsts, lasts, strict=True)}
+                span = slice(None)
+                if len(offsets) == 1 and len(counts) == 1:
+                    span = slice(offsets.pop(), None)
+                    span = slice(span.start, span.start + counts.pop())
+                groups.append(PageRead(rows, page.reshape(-1), len(members), P, key_pos[:, span], span,
+                                       span != slice(None)))
+            self._pages = groups
+        return self._pages
+
     def write_key_positions(self, q_pos_BT: torch.Tensor) -> None:
         """Record the new tokens' positions in the pool (shared by every attention layer)."""
-        write = self.index()[0]
+        write = self.write_index()
         self.state.pool_pos.index_copy_(0, write.reshape(-1), q_pos_BT.reshape(-1))
 
     def layer(self, index: int) -> GDNSlots | AttentionSlots:
@@ -460,19 +537,39 @@ class AttentionSlots:
         self.rows, self.index = rows, index
 
     def extended(self, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, q_pos_BT: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | PagedKeys, AttentionSlots]:
+                 ) -> tuple[list[KeyRead], AttentionSlots]:
         """Write the new keys/values at their pool entries; return (keys [B, Hkv, K, D], values, key_pos [B, K])
         each row reads (packed forwards: B is the number of sequences); on the paged path the pool itself
         ([N, Hkv, D]) and the tables that say whose entries are whose (PagedKeys)."""
         keys = self.rows.state.keys[self.index]
         values = self.rows.state.values[self.index]
         assert keys is not None and values is not None
-        write, read, key_pos = self.rows.index()
-        flat = write.reshape(-1)
+        flat = self.rows.write_index().reshape(-1)
         keys.index_copy_(0, flat, k_BHTD.transpose(1, 2).reshape(flat.shape[0], *keys.shape[1:]).to(keys.dtype))
         values.index_copy_(0, flat, v_BHTD.transpose(1, 2).reshape(flat.shape[0], *values.shape[1:])
                            .to(values.dtype))
+        st = self.rows.state
+        if self.rows.reads_pages:  # whole pages per group of rows (contiguous copies)
+            groups = self.rows.page_reads()
+            page_shape = (st.page_size, *keys.shape[1:])
+            page_numel = keys[:st.page_size].numel()
+            out = st.scratch(2 * sum(g.pages.numel() for g in groups) * page_numel)
+            reads, at = [], 0
+
+            def pages(pool: torch.Tensor, g: PageRead) -> torch.Tensor:
+                nonlocal at
+                n = g.pages.numel()
+                got = out[at:at + n * page_numel].view(n, *page_shape)
+                at += n * page_numel
+                torch.index_select(pool.view(-1, *page_shape), 0, g.pages, out=got)  # [b * P, ps, Hkv, D]
+                return got.view(g.count, g.width * st.page_size, *page_shape[1:])[:, g.span].transpose(1, 2)
+
+            for g in groups:
+                reads.append(KeyRead(g.rows, pages(keys, g), pages(values, g), g.key_pos, g.exact))
+            return reads, self
+        _, read, key_pos = self.rows.index()
         if read is None:
-            st = self.rows.state
-            return keys, values, PagedKeys(st.table[self.rows.start:self.rows.end], st.pool_pos, st.page_size), self
-        return keys[read].transpose(1, 2), values[read].transpose(1, 2), key_pos, self
+            return [KeyRead(None, keys, values, PagedKeys(st.table[self.rows.start:self.rows.end], st.pool_pos,
+                                                           st.page_size))], self
+        assert key_pos is not None
+        return [KeyRead(None, keys[read].transpose(1, 2), values[read].transpose(1, 2), key_pos)], self

@@ -18,7 +18,7 @@ Notable choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -40,11 +40,24 @@ class GDNLayerState(Protocol):
     def advanced(self, recurrent: torch.Tensor, conv: torch.Tensor) -> GDNLayerState: ...
 
 
+@dataclass
+class KeyRead:
+    """Keys some rows of a forward attend over: `keys`/`values` [b, Hkv, S, D] with their positions `key_pos`
+    [b, S] (-1 = padding), or the engine's page pool itself with its tables (slots.PagedKeys, flex)."""
+
+    rows: torch.Tensor | None  # the forward's rows (a packed forward's sequences) that read these; None: all, in order
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_pos: Any  # torch.Tensor [b, S] or slots.PagedKeys
+    exact: bool = True  # no padding beyond what every row's positions imply: a host-known all-visible holds here
+
+
 class AttentionLayerState(Protocol):
-    """What an attention layer reads and returns: the keys to attend over, including the new ones."""
+    """What an attention layer reads and returns: the keys to attend over, including the new ones (one KeyRead for
+    every row, or several for groups of rows that read different numbers of keys)."""
 
     def extended(self, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, q_pos_BT: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionLayerState]: ...
+                 ) -> tuple[list[KeyRead], AttentionLayerState]: ...
 
 
 @dataclass
@@ -71,13 +84,13 @@ class AttentionState:
         return AttentionState(self.keys[idx], self.values[idx], self.key_pos[idx]).trimmed(None)
 
     def extended(self, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor,
-                 q_pos_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionState]:
-        """(keys, values, key_pos) to attend over: the cache followed by the new tokens; and the state holding
-        them (a new object: this one is never written)."""
+                 q_pos_BT: torch.Tensor) -> tuple[list[KeyRead], AttentionState]:
+        """The keys to attend over (the cache followed by the new tokens, every row) and the state holding them
+        (a new object: this one is never written)."""
         keys = torch.cat([self.keys, k_BHTD], dim=2)  # [B, Hkv, S, D]
         values = torch.cat([self.values, v_BHTD], dim=2)
         key_pos = torch.cat([self.key_pos, q_pos_BT], dim=1)  # [B, S]
-        return keys, values, key_pos, AttentionState(keys, values, key_pos)
+        return [KeyRead(None, keys, values, key_pos)], AttentionState(keys, values, key_pos)
 
     def trimmed(self, first_visible: torch.Tensor | None) -> AttentionState:
         """Drop leading slots that are empty, or older than `first_visible` [B], in every row."""

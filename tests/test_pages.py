@@ -3,6 +3,7 @@ pool too small for everyone (preemption), packed prefill and reads of live keys 
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -167,6 +168,51 @@ def test_each_row_reads_exactly_its_live_keys(models):
         assert (read[r][key_pos[r] < 0] == slots.null).all()
 
 
+def test_page_reads_group_rows_and_read_exactly_their_live_keys(models):
+    """Whole pages per group of rows: every row is in one group, with rows spanning 1, 2, 3-4, 5-8 pages apart; the
+    positions it keeps are exactly its live keys; a group of rows that start at one page offset and read as many
+    keys reads no padding at all."""
+    engine = Engine(models["tiny-ar"], DecodeOptions(**SMALL), max_slots=5, page_size=4)
+    slots = engine.slots
+    lengths = [0, 10, 40, 11, 41]  # 10 and 11 span 3 pages with the 2 new tokens; 40 and 41 the window's 7
+    with torch.inference_mode():
+        for s, n in enumerate(lengths):
+            slots.grow(s, n + 2)
+            slots.slide(s, n - 24 + 1)
+            slots.positions[s] = n
+        groups = slots.rows(0, lengths, 2, None).page_reads()
+    rows = sorted(r for g in groups for r in (range(5) if g.rows is None else g.rows.tolist()))
+    assert rows == list(range(5))
+    spans = {}
+    for g in groups:
+        members = list(range(5)) if g.rows is None else g.rows.tolist()
+        assert g.pages.shape == (g.count * g.width,) and g.count == len(members)
+        for i, r in enumerate(members):
+            n = lengths[r]
+            assert [p for p in g.key_pos[i].tolist() if p >= 0] == list(range(max(0, n - 23), n + 2))
+            spans[r] = g.width
+        assert g.exact == (g.key_pos >= 0).all().item()
+    assert spans == {0: 1, 1: 4, 3: 4, 2: 7, 4: 7}  # 3 pages pad to 4 (the 3-4 group); 7 pages (5-8) pad to 7
+    assert len(groups) == 3
+
+
+@pytest.mark.parametrize("mode", ["autoregressive", "diffusion-k3", "clover-threshold"])
+def test_page_reads_equal_entry_reads_in_the_engine(models, mode):
+    """The engine reading whole pages per group of rows gives what it gives reading entry by entry (the reference),
+    over packed prefill, preemption-free decode of prompts of 2-70 tokens under a 24-token window."""
+    name, options = MODES[mode]
+
+    def run(read_pages: bool) -> dict:
+        engine = Engine(models[name], options, max_slots=5, page_size=4, prefill_tokens_per_step=64)
+        engine.slots.read_pages = read_pages
+        return _run(engine, options, PROMPTS)
+
+    pages, entries = run(True), run(False)
+    for key, got in pages.items():
+        assert got.tokens == entries[key].tokens, key
+        assert got.mean_logprob == pytest.approx(entries[key].mean_logprob, abs=1e-5)
+
+
 # ---- packed kernels ----------------------------------------------------------------------------------------------
 
 
@@ -230,15 +276,31 @@ def test_attention_over_the_page_pool_equals_attention_over_the_gathered_keys(mo
     with torch.inference_mode():
         for lv in engine.decoding:
             slots.grow(lv.slot, lv.length + T)
+        slots.read_pages = False  # entry by entry: the reference
         dense_rows = slots.rows(0, lengths, T, None)
         dense_rows.paged = False
         q_pos = dense_rows.query_positions()
-        keys, values, key_pos, _ = dense_rows.layer(layer).extended(k, v, q_pos)
+        [read], _ = dense_rows.layer(layer).extended(k, v, q_pos)
+        keys, values, key_pos = read.keys, read.values, read.key_pos
         expected = ops.attention_dense(q, keys, values, ops.AttentionMask(key_pos, q_pos, q_pos, 24).dense())
+        slots.read_pages = True  # whole pages, rows grouped by the pages they span
+        page_rows = slots.rows(0, lengths, T, None)
+        page_rows.paged = False
+        reads, _ = page_rows.layer(layer).extended(k, v, q_pos)
+        by_pages = torch.full_like(q, math.nan)
+        for r in reads:
+            rows = torch.arange(3) if r.rows is None else r.rows
+            by_pages[rows] = ops.attention_dense(q[rows], r.keys, r.values,
+                                                 ops.AttentionMask(r.key_pos, q_pos[rows], q_pos[rows], 24).dense())
+            for i, row in enumerate(rows.tolist()):  # each row reads exactly the positions the reference reads
+                assert sorted(p for p in r.key_pos[i].tolist() if p >= 0) == \
+                    [p for p in key_pos[row].tolist() if p >= 0]
+        assert len(reads) > 1  # rows of 1 and of several pages read in separate groups
         paged_rows = slots.rows(0, lengths, T, None)
         paged_rows.paged = True
         paged_rows.write_key_positions(q_pos)
-        pool_k, pool_v, paged, _ = paged_rows.layer(layer).extended(k, v, q_pos)
+        [pr], _ = paged_rows.layer(layer).extended(k, v, q_pos)
+        pool_k, pool_v, paged = pr.keys, pr.values, pr.key_pos
         mask = ops.PagedMask(paged.table, paged.pool_pos, paged.page_size, q_pos, q_pos, 24)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # flex_attention uncompiled (the exact, slow form) on a CPU
@@ -246,6 +308,7 @@ def test_attention_over_the_page_pool_equals_attention_over_the_gathered_keys(mo
                                  block_mask=mask.block_mask(), enable_gqa=True)
         dense = mask.dense()  # [B, T, N]: which pool entries each query may see
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(by_pages, expected, rtol=1e-5, atol=1e-5)
     for r, lv in enumerate(engine.decoding):
         seen = sorted(int(slots.pool_pos[e]) for e in dense[r, -1].nonzero().flatten())
         last = int(q_pos[r, -1])
