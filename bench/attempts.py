@@ -123,12 +123,11 @@ def main() -> None:
     import random
 
     import boto3
-    import torch
     from clover_batch.connectors.attempts import AttemptStore
     from clover_batch.connectors.fs import Location
-    from clover_batch.model import DecodeOptions, load_model
+    from clover_batch.model import DecodeOptions, kernels, load_model
 
-    torch.set_num_threads(args.threads)
+    kernels.model_threads(args.threads)
     model = load_model(args.model)
     options = DecodeOptions(max_new_tokens=args.max_new_tokens, tokens_per_step=2, stop_token_ids=())
     rng = random.Random(0)

@@ -24,7 +24,7 @@ import tempfile
 import time
 
 import torch
-from clover_batch.model import generate, load_model, save_checkpoint
+from clover_batch.model import generate, kernels, load_model, save_checkpoint
 
 log = logging.getLogger("bench.decode")
 
@@ -57,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
-        torch.set_num_threads(args.threads)
+        kernels.model_threads(args.threads)
     log.info("torch %s, %d threads, load average %s", torch.__version__, torch.get_num_threads(),
              " ".join(f"{x:.1f}" for x in os.getloadavg()))
 

@@ -32,7 +32,6 @@ import os
 import time
 from dataclasses import dataclass, field
 
-import torch
 from clover_batch.jobs.demo_corpus import Document, held_out
 from clover_batch.jobs.demo_model import (
     DEMO_DIR,
@@ -42,7 +41,7 @@ from clover_batch.jobs.demo_model import (
     job_instructions,
     token_similarity,
 )
-from clover_batch.model import generate, load_model
+from clover_batch.model import generate, kernels, load_model
 
 log = logging.getLogger("bench.diffusion_quality")
 
@@ -136,7 +135,7 @@ def main() -> None:
                              "does on CUDA (on a CPU that forward costs about twice as much)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_num_threads(args.threads)
+    kernels.model_threads(args.threads)
     load_before = os.getloadavg()
 
     model = load_model(args.model)

@@ -44,7 +44,7 @@ import tempfile
 import time
 
 import torch
-from clover_batch.model import DecodeOptions, Engine, Request, generate, load_model, save_checkpoint
+from clover_batch.model import DecodeOptions, Engine, Request, generate, kernels, load_model, save_checkpoint
 from clover_batch.model.moe import Experts
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -161,7 +161,7 @@ def _prefill_prompts(n: int = 48, seed: int = 3) -> list[list[int]]:
 
 def _prefill_rss(path: str, threads: int, queue) -> None:
     """In a fresh process: RSS once the checkpoint is loaded, then peak RSS over our prefill of the 48 prompts."""
-    torch.set_num_threads(threads)
+    kernels.model_threads(threads)
     model = load_model(path)
     for p in model.parameters():  # read every weight once: a memory-mapped checkpoint is resident only once read
         p.sum()
@@ -482,7 +482,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_num_threads(args.threads)
+    kernels.model_threads(args.threads)
     log.info("torch %s, %d threads, load average %s", torch.__version__, torch.get_num_threads(),
              " ".join(f"{x:.1f}" for x in os.getloadavg()))
     lines = []

@@ -44,7 +44,7 @@ def main() -> None:
     from clover_batch.connectors.fs import Location, list_documents, read_bytes
     from clover_batch.jobs.runner import run
     from clover_batch.jobs.spec import parse_job
-    from clover_batch.model import generate, load_model
+    from clover_batch.model import generate, kernels, load_model
     from clover_batch.pipeline.parse import parse_document
     from clover_batch.pipeline.tokenizer import PromptBuilder
 
@@ -54,7 +54,7 @@ def main() -> None:
     decode = {"max_new_tokens": args.max_new_tokens, "threshold": 0.9, "temperature": 0.0}
 
     # Plain loop: same prompts, same engine, same batches.
-    torch.set_num_threads(args.threads)
+    kernels.model_threads(args.threads)
     builder = PromptBuilder(args.model)
     refs = list_documents(Location(str(work / "docs")), ["*"], [])
     prompts = [

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from . import kernels
 from .clover import CloverModel
 from .config import CloverConfig
 from .moe import Experts, Routing, SparseMoE, dispatch, expert_mlp
@@ -366,7 +367,7 @@ def run_worker(spec: WorkerSpec, rank: int) -> int:
     """Body of a worker rank (a process or a Ray actor): load experts, join, serve until stopped."""
     from . import load_config, load_model
 
-    torch.set_num_threads(max(1, spec.num_threads))
+    kernels.model_threads(spec.num_threads)
     config = load_config(spec.source, spec.overrides)
     device = rank_device(spec.device, rank)
     model = load_model(spec.source, device=device, dtype=DTYPES[spec.dtype],

@@ -214,7 +214,7 @@ class InferStage:
 
         def build() -> Engine:
             """On the engine thread: the replica's torch work all happens there (see pipeline/serving.py)."""
-            torch.set_num_threads(max(1, num_threads))
+            kernels.model_threads(num_threads)
             if model.expert_parallel > 1:
                 from clover_batch.pipeline.expert_parallel import load_replica
 

@@ -269,3 +269,22 @@ def test_attention_choice_is_validated_and_picks_the_mask_path(monkeypatch):
             pass
     finally:
         kernels.selected_attention.cache_clear()
+
+
+def test_model_threads_flush_denormals_in_every_worker_of_the_thread():
+    """Set first thing on a fresh thread, the flush reaches the OpenMP workers it creates: a product in the denormal
+    range, split over both threads, is zero everywhere (outside such a thread it is not)."""
+    import threading
+
+    tiny = torch.full((1 << 18,), 1e-39)  # denormal: below float32's smallest normal, 1.18e-38
+    got = {}
+
+    def work() -> None:
+        kernels.model_threads(2)
+        got["in"] = int(torch.count_nonzero(tiny * 0.5))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert got["in"] == 0
+    assert int(torch.count_nonzero(tiny * 0.5)) == tiny.numel()  # this thread keeps denormals
