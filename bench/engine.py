@@ -8,9 +8,10 @@ Parts:
   and requests/s of (a) static batches of 4 through the same engine (add 4, run to empty, repeat) and (b)
   continuous batching with 16 slots and with 64 (the engine's default: as many as memory allows, here every
   request at once), for each scheduling policy (decode steps per prefill step: 0 = prefill whenever possible,
-  1 = alternate, 4). `identical` counts the requests whose output equals the static run's token for token: this
-  random-weight model has near-ties (top two logits ~1e-4 apart), which a change of summation order (another batch,
-  another padding of the keys read) can flip.
+  1 = alternate, 4). `prefill s`: the engine's time in prefill steps, which batching does not shorten much (the
+  same prompt tokens in packed forwards either way). `identical` counts the requests whose output equals the
+  static run's token for token: this random-weight model has near-ties (top two logits ~1e-4 apart), which a
+  change of summation order (another batch, another padding of the keys read) can flip.
 - ar16: autoregressive decode at 16 active sequences, ours vs transformers' generate at batch 16 on the same weights
   (greedy outputs checked identical first). Decode time = run(n tokens) - run(1 token), as bench/decode.py.
 - prefill: 48 prompts of 64-2048 tokens (log-uniform), ours (the engine at the checkpoint's own window, 65,536,
@@ -107,13 +108,14 @@ def part_mixed(args) -> list[str]:
                              *run_continuous(model, options, reqs, slots, per_prefill)))
         base_seconds, base_out, _ = runs[0][1:]
         lines.append(f"  {label}:")
-        lines.append(f"  {'schedule':40} {'seconds':>8} {'tokens/s':>9} {'req/s':>7} {'vs static':>9} "
-                     f"{'decode rows/step':>16} {'identical':>9}")
+        lines.append(f"  {'schedule':40} {'seconds':>8} {'prefill s':>9} {'tokens/s':>9} {'req/s':>7} "
+                     f"{'vs static':>9} {'decode rows/step':>16} {'identical':>9}")
         for name, seconds, out, engine in runs:
             tokens = prompt_tokens + sum(len(g.tokens) for g in out.values())
             same = sum(out[k].tokens == base_out[k].tokens for k in base_out)
             rows = engine.stats.decode_rows / max(1, engine.stats.decode_steps)
-            lines.append(f"  {name:40} {seconds:8.1f} {tokens / seconds:9.1f} {len(out) / seconds:7.3f} "
+            lines.append(f"  {name:40} {seconds:8.1f} {engine.stats.prefill_seconds:9.1f} {tokens / seconds:9.1f} "
+                         f"{len(out) / seconds:7.3f} "
                          f"{base_seconds / seconds:8.2f}x {rows:16.1f} {f'{same}/{len(base_out)}':>9}")
             log.info("%s %s: %.1f s", label, name, seconds)
     return lines
