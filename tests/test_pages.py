@@ -10,7 +10,13 @@ import pytest
 import torch
 from clover_batch.model import DecodeOptions, Engine, Request, load_model
 from clover_batch.model.generate import generate_nocache, prompt_seed
-from clover_batch.model.ops import causal_conv, causal_conv_varlen, gdn_chunked_varlen, gdn_recurrent
+from clover_batch.model.ops import (
+    causal_conv,
+    causal_conv_reference,
+    causal_conv_varlen,
+    gdn_chunked_varlen,
+    gdn_recurrent,
+)
 from clover_batch.model.pages import PagePool, PoolExhausted, pages_for
 
 # ---- the allocator ------------------------------------------------------------------------------------------------
@@ -238,6 +244,7 @@ def test_varlen_kernels_equal_each_sequence_alone():
         torch.testing.assert_close(S[i], ref_S[0], rtol=1e-5, atol=1e-5)
         ref_y, ref_tail = causal_conv(x[None, part], w, tails[i:i + 1])
         torch.testing.assert_close(y[part], ref_y[0])
+        torch.testing.assert_close(y[part], causal_conv_reference(x[None, part], w, tails[i:i + 1])[0][0])  # conv1d
         torch.testing.assert_close(new_tails[i], ref_tail[0])
         start += n
 
