@@ -28,6 +28,10 @@ Parts:
   would buy: a copy of the model so stored against it as loaded (row-major), decode at 16 sequences and the
   48-prompt prefill, the two sides taking turns rep by rep; then single GEMMs at decode and prefill sizes, which
   run with their weights in cache and so overstate what a decode step (weights streamed from memory) gains.
+- reads: a decode step over 32 rows of the mixed corpus's lengths, attention reading whole pages per group of rows
+  (rows of 1, 2, 3-4, 5-8, ... pages together) against entry by entry, every row padded to the longest (the
+  reference); and a diffusion step over 20 such rows with denormal floats flushed to zero and kept, each side in
+  fresh processes that set the mode before their first torch op.
 - steps: decode step time with 1K vs 16K committed tokens per slot (8 slots, window 32K, diffusion k=4), and the
   share of the step spent copying state: every aten op that copies from or into the slot buffers (clone, copy_,
   index_copy_, scatter_, cat, index_select, ...) is timed inside the step, against the step's plain wall time.
@@ -468,10 +472,67 @@ def part_steps(args) -> list[str]:
     return lines
 
 
+def _mixed_engine(preset: str, n: int, options: DecodeOptions) -> Engine:
+    """n requests of the mixed corpus (prompts of 64-4,096 tokens), all decoding, past their prefill."""
+    engine = Engine(load_model(preset, seed=0), options, max_slots=n, decode_steps_per_prefill=0)
+    for r in mixed_corpus(n, seed=0):
+        engine.add(Request(r.id, r.prompt_ids, max_new_tokens=100_000))
+    while engine.waiting or engine.prefilling:
+        engine.step()
+    engine.step()  # warm-up
+    return engine
+
+
+def _diffusion_steps(preset: str, flush: bool, threads: int, steps: int, queue) -> None:
+    """In a fresh process whose torch threads flush denormals or keep them (set before any torch op: a thread's
+    OpenMP workers copy the mode when they are created): the best median of `steps` diffusion decode steps over 20
+    rows of the mixed corpus, three times."""
+    torch.set_flush_denormal(flush)
+    torch.set_num_threads(threads)
+    engine = _mixed_engine(preset, 20, DecodeOptions(tokens_per_step=4, stop_token_ids=(), max_new_tokens=100_000))
+    queue.put(min(statistics.median(_timed(engine.step) for _ in range(steps)) for _ in range(3)))
+
+
+def part_reads(args) -> list[str]:
+    """Decode steps over rows of mixed lengths: attention reading whole pages per group of rows against reading
+    entry by entry (every row padded to the longest), the two taking turns on one engine, each turn the median of
+    `--steps` steps; and diffusion steps with and without denormals flushed, in fresh processes taking turns (one
+    process cannot switch: its torch threads keep the mode they started with, and a second set of torch threads
+    in it would compete with the first for the cores)."""
+    import multiprocessing
+
+    ar = _mixed_engine(f"{args.preset}-ar", 32, DecodeOptions(stop_token_ids=(), max_new_tokens=100_000))
+    assert ar.slots is not None
+    lengths = sorted(lv.length for lv in ar.decoding)
+    best = {True: math.inf, False: math.inf}
+    for _ in range(3 * args.reps):
+        for pages in (True, False):
+            ar.slots.read_pages = pages
+            best[pages] = min(best[pages], statistics.median(_timed(ar.step) for _ in range(args.steps)))
+    lines = [f"autoregressive decode step over 32 rows of {lengths[0]}-{lengths[-1]} committed tokens:",
+             f"  whole pages per group of rows {best[True] * 1e3:.1f} ms, entry by entry {best[False] * 1e3:.1f} ms: "
+             f"{best[False] / best[True]:.2f}x"]
+    del ar
+    ctx = multiprocessing.get_context("spawn")
+    best = {True: math.inf, False: math.inf}
+    for _ in range(args.reps):
+        for flush in (True, False):
+            queue = ctx.Queue()
+            child = ctx.Process(target=_diffusion_steps, args=(args.preset, flush, args.threads, args.steps, queue))
+            child.start()
+            best[flush] = min(best[flush], queue.get())
+            child.join()
+    lines += ["diffusion decode step (k=4, block 32) over 20 rows of the same corpus, fresh processes:",
+              f"  denormals flushed {best[True] * 1e3:.1f} ms, kept {best[False] * 1e3:.1f} ms: "
+              f"{best[False] / best[True]:.2f}x"]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench", help="diffusion preset; PRESET-ar is its autoregressive twin")
-    ap.add_argument("--parts", nargs="+", default=["mixed", "ar16", "prefill", "capacity", "mixing", "steps", "layout"])
+    ap.add_argument("--parts", nargs="+",
+                    default=["mixed", "ar16", "prefill", "capacity", "mixing", "steps", "layout", "reads"])
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--mixed-modes", nargs="+", default=["autoregressive", "diffusion"])
     ap.add_argument("--slots", type=int, nargs="+", default=[16, 64],
@@ -491,7 +552,7 @@ def main() -> None:
     for part in args.parts:
         parts = {"mixed": part_mixed, "ar16": part_ar16, "prefill": part_prefill, "capacity": part_capacity,
                  "mixing": part_mixing,
-                 "steps": part_steps, "layout": part_layout}
+                 "steps": part_steps, "layout": part_layout, "reads": part_reads}
         lines += [*parts[part](args), ""]
     print("\n".join(lines))  # the report is this script's output
 
