@@ -233,7 +233,7 @@ class GatedAttention(nn.Module):
         if len(reads) == 1 and reads[0].rows is None:
             r = reads[0]
             out = ops.attention(rows_q, r.keys, r.values, ctx.mask(r.key_pos, exact=r.exact))
-        else:  # groups of rows that read different numbers of keys (slots.SlotRows.read_groups)
+        else:  # groups of rows that read different numbers of keys (slots.SlotRows.page_reads)
             out = torch.empty_like(rows_q)
             for r in reads:
                 out[r.rows] = ops.attention(rows_q[r.rows], r.keys, r.values,

@@ -15,11 +15,14 @@ Notable choices:
   sequence leaves. A page is zeroed when it is taken (attention multiplies masked entries by zero weights, and
   0 * NaN garbage is NaN), so untouched pool memory is never written: it costs address space, not RAM.
 - A forward writes its new keys first (every layer at the same pool entries, `write_index`), then each row reads
-  exactly its live keys, gathered ([B, K]: the positions [max(0, L - window + 1), L + T) of a row of L committed
-  tokens, left-padded with a zeroed null page to the longest row): no row reads another's pages, empty entries or
-  keys the window has passed. Key positions come with them (-1 = padding), and masks are built from positions
-  exactly as in the functional state (state.py), so the two paths compute the same thing. `pool_pos` records the
-  position of every pool entry, for a block mask over the pool itself (flex on CUDA).
+  its live keys, the positions [max(0, L - window + 1), L + T) of a row of L committed tokens, as whole pages
+  (`page_reads`): rows are grouped by how many pages that span, and each group copies its rows' pages into one
+  buffer for one attention call, so a short row is not padded to the longest. The entry-by-entry gather
+  ([B, K], every row left-padded with a zeroed null page to the longest; `index`) is the reference beside it, and
+  the path of static rows. No row reads another's pages; key positions come with the keys (-1 = an entry outside
+  the row's span), and masks are built from positions exactly as in the functional state (state.py), so the paths
+  compute the same thing. `pool_pos` records the position of every pool entry, for a block mask over the pool
+  itself (flex on CUDA).
 - A forward covers one contiguous range of slots (the engine keeps decoding sequences in slots [0, n)). Each row
   either commits (its GDN state is written; its new keys become committed when `positions` advances) or only reads
   (a denoising step): a reading row's new keys land at positions >= its committed length, in pages it holds, which
@@ -172,18 +175,10 @@ class SlotState:
         # dense attention reads whole pages per group of rows (SlotRows.page_reads); False: entry by entry, the
         # reference (tests compare the two)
         self.read_pages = True
-        self._scratch = torch.empty(0, dtype=dtype, device=device)
 
     @property
     def device(self) -> torch.device:
         return self.positions.device
-
-    def scratch(self, numel: int) -> torch.Tensor:
-        """A flat buffer of at least `numel` elements for the keys and values one attention layer reads (kept
-        between layers and forwards: a fresh allocation of that size each time costs its page faults)."""
-        if self._scratch.numel() < numel:
-            self._scratch = torch.empty(numel, dtype=self._scratch.dtype, device=self.device)
-        return self._scratch
 
     def buffers(self) -> list[torch.Tensor]:
         """Every state tensor (to check that they are only ever written in place)."""
@@ -538,9 +533,10 @@ class AttentionSlots:
 
     def extended(self, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, q_pos_BT: torch.Tensor
                  ) -> tuple[list[KeyRead], AttentionSlots]:
-        """Write the new keys/values at their pool entries; return (keys [B, Hkv, K, D], values, key_pos [B, K])
-        each row reads (packed forwards: B is the number of sequences); on the paged path the pool itself
-        ([N, Hkv, D]) and the tables that say whose entries are whose (PagedKeys)."""
+        """Write the new keys/values at their pool entries; return what the rows read (packed forwards: a row is a
+        sequence): per group of rows, their pages' keys and values [b, Hkv, K, D] with key positions [b, K]
+        (`page_reads`); or every row's gathered entries (the reference, `index`); or on the paged path the pool
+        itself ([N, Hkv, D]) and the tables that say whose entries are whose (PagedKeys)."""
         keys = self.rows.state.keys[self.index]
         values = self.rows.state.values[self.index]
         assert keys is not None and values is not None
@@ -549,24 +545,15 @@ class AttentionSlots:
         values.index_copy_(0, flat, v_BHTD.transpose(1, 2).reshape(flat.shape[0], *values.shape[1:])
                            .to(values.dtype))
         st = self.rows.state
-        if self.rows.reads_pages:  # whole pages per group of rows (contiguous copies)
-            groups = self.rows.page_reads()
+        if self.rows.reads_pages:  # whole pages per group of rows (page-sized contiguous copies)
             page_shape = (st.page_size, *keys.shape[1:])
-            page_numel = keys[:st.page_size].numel()
-            out = st.scratch(2 * sum(g.pages.numel() for g in groups) * page_numel)
-            reads, at = [], 0
 
             def pages(pool: torch.Tensor, g: PageRead) -> torch.Tensor:
-                nonlocal at
-                n = g.pages.numel()
-                got = out[at:at + n * page_numel].view(n, *page_shape)
-                at += n * page_numel
-                torch.index_select(pool.view(-1, *page_shape), 0, g.pages, out=got)  # [b * P, ps, Hkv, D]
+                got = pool.view(-1, *page_shape).index_select(0, g.pages)  # [b * P, ps, Hkv, D]
                 return got.view(g.count, g.width * st.page_size, *page_shape[1:])[:, g.span].transpose(1, 2)
 
-            for g in groups:
-                reads.append(KeyRead(g.rows, pages(keys, g), pages(values, g), g.key_pos, g.exact))
-            return reads, self
+            return [KeyRead(g.rows, pages(keys, g), pages(values, g), g.key_pos, g.exact)
+                    for g in self.rows.page_reads()], self
         _, read, key_pos = self.rows.index()
         if read is None:
             return [KeyRead(None, keys, values, PagedKeys(st.table[self.rows.start:self.rows.end], st.pool_pos,
