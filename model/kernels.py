@@ -27,7 +27,7 @@ Notable choices:
 - The functions are injected, so tests can run these exact calls against stand-ins on CPU.
 - CPU model threads flush denormal floats to zero (`model_threads`): the chunked GDN kernel's decay terms
   (exp of a chunk's cumulative log decay, and the products with it) underflow into the denormal range, where
-  arithmetic on this CPU runs ~10x slower; a 20-row diffusion decode step takes 1.25x as long with them
+  arithmetic on this CPU runs ~10x slower; a 20-row diffusion decode step takes 1.27x as long with them
   (`bench/engine.py --parts reads`). A value
   under 1.2e-38 becoming 0 changes no output that fp32 rounding of normal values does not already.
 """
