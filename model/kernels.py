@@ -28,8 +28,8 @@ Notable choices:
 - CPU model threads flush denormal floats to zero (`model_threads`): the chunked GDN kernel's decay terms
   (exp of a chunk's cumulative log decay, and the products with it) underflow into the denormal range, where
   arithmetic on this CPU runs ~10x slower; a 20-row diffusion decode step takes 1.27x as long with them
-  (`bench/engine.py --parts reads`). A value
-  under 1.2e-38 becoming 0 changes no output that fp32 rounding of normal values does not already.
+  (`bench/engine.py --parts reads`). A value under 1.2e-38 becoming 0 changes no output that fp32 rounding of
+  normal values does not already.
 """
 
 from __future__ import annotations

@@ -115,7 +115,11 @@ class PageRead:
     width: int  # P pages per row
     key_pos: torch.Tensor  # [b, K] the position of each read entry, -1 = not the row's (K = P * ps, or exact)
     span: slice  # the entries of the P * ps read that are kept
-    exact: bool  # every kept entry is a live key of its row
+
+    @property
+    def exact(self) -> bool:
+        """Every kept entry is a live key of its row (the group's rows share one span within their pages)."""
+        return self.span != slice(None)
 
 
 @dataclass
@@ -461,11 +465,10 @@ class SlotRows:
                 key_pos = torch.where((pos >= info[1][:, None]) & (pos <= info[2][:, None]), pos, -1)
                 offsets, counts = {a % ps for a in firsts}, {b - a + 1 for a, b in zip(firsts, lasts, strict=True)}
                 span = slice(None)
-                if len(offsets) == 1 and len(counts) == 1:
-                    span = slice(offsets.pop(), None)
-                    span = slice(span.start, span.start + counts.pop())
-                groups.append(PageRead(rows, page.reshape(-1), len(members), P, key_pos[:, span], span,
-                                       span != slice(None)))
+                if len(offsets) == 1 and len(counts) == 1:  # every row's keys at the same place: read just those
+                    (offset,), (count,) = offsets, counts
+                    span = slice(offset, offset + count)
+                groups.append(PageRead(rows, page.reshape(-1), len(members), P, key_pos[:, span], span))
             self._pages = groups
         return self._pages
 

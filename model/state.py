@@ -18,11 +18,14 @@ Notable choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from .config import CloverConfig
+
+if TYPE_CHECKING:
+    from .slots import PagedKeys
 
 
 class GDNLayerState(Protocol):
@@ -48,7 +51,7 @@ class KeyRead:
     rows: torch.Tensor | None  # the forward's rows (a packed forward's sequences) that read these; None: all, in order
     keys: torch.Tensor
     values: torch.Tensor
-    key_pos: Any  # torch.Tensor [b, S] or slots.PagedKeys
+    key_pos: torch.Tensor | PagedKeys  # [b, S], or the pool's tables (flex over pages)
     exact: bool = True  # no padding beyond what every row's positions imply: a host-known all-visible holds here
 
 
