@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import ray
+from clover_batch.pipeline.progress import NO_PROGRESS, ProgressNote
 from clover_batch.pipeline.stages import InferStage
 
 if TYPE_CHECKING:
@@ -48,8 +49,9 @@ def batches_in_flight(opts: PipelineOptions) -> int:
 
 
 @contextlib.contextmanager
-def start_replicas(opts: PipelineOptions) -> Iterator[list[ActorHandle]]:
-    """Start the run's replicas (their models load in the background); kill them on the way out."""
+def start_replicas(opts: PipelineOptions, progress: ProgressNote = NO_PROGRESS) -> Iterator[list[ActorHandle]]:
+    """Start the run's replicas (their models load in the background); kill them on the way out. `progress`: where
+    a loading replica's heartbeat goes (pipeline/progress.py)."""
     actor = ray.remote(InferStage).options(
         num_cpus=opts.cpus_per_replica,
         num_gpus=opts.gpus_per_replica,
@@ -60,7 +62,8 @@ def start_replicas(opts: PipelineOptions) -> Iterator[list[ActorHandle]]:
     replicas = [
         actor.remote(model=opts.model, decode=opts.decode, num_threads=max(1, int(opts.cpus_per_replica)),
                      max_slots=opts.max_slots, page_size=opts.kv_page_tokens, output=opts.output, run_id=opts.run_id,
-                     max_attempts=opts.max_attempts, job_name=opts.job_name, replica_index=i)
+                     max_attempts=opts.max_attempts, job_name=opts.job_name, replica_index=i,
+                     rank_num_cpus=opts.rank_num_cpus, progress=progress)
         for i in range(opts.replicas)
     ]
     try:
