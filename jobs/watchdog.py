@@ -204,12 +204,14 @@ class Watchdog:
 def pending_work() -> tuple[list[str], str]:
     """Tasks and actors waiting to be scheduled, with the resources they wait for; and where that came from."""
     try:
+        import ray
         from ray.util.state import list_actors, list_tasks
 
-        tasks = list_tasks(filters=[("state", "=", "PENDING_NODE_ASSIGNMENT")], timeout=STATE_TIMEOUT_S,
-                           limit=MAX_LISTED, raise_on_missing_output=False, detail=True)
-        actors = list_actors(filters=[("state", "=", "PENDING_CREATION")], timeout=STATE_TIMEOUT_S,
-                             limit=MAX_LISTED, raise_on_missing_output=False, detail=True)
+        address = ray.get_runtime_context().gcs_address  # never another Ray on this machine
+        tasks = list_tasks(address=address, filters=[("state", "=", "PENDING_NODE_ASSIGNMENT")],
+                           timeout=STATE_TIMEOUT_S, limit=MAX_LISTED, raise_on_missing_output=False, detail=True)
+        actors = list_actors(address=address, filters=[("state", "=", "PENDING_CREATION")],
+                             timeout=STATE_TIMEOUT_S, limit=MAX_LISTED, raise_on_missing_output=False, detail=True)
         out = [f"task {t.name} needs {_resources(t.required_resources)}" for t in tasks
                if t.type != "ACTOR_CREATION_TASK"]
         out += [f"actor {a.class_name} needs {_resources(a.required_resources)}" for a in actors]
