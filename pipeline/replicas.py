@@ -7,8 +7,8 @@ Notable choices:
   context as objects in the object store, and is restarted without limit; Ray logs at error level, for every such
   actor, that a restart fails once those objects are gone (ray-project/ray#53727). A restart is what the
   poison-document handling relies on (a process killed by a document comes back and runs it alone). A replica here
-  is created from small values only (ModelRef, DecodeOptions, the output's Location, the run id: a few hundred bytes,
-  inlined in its creation task), so Ray can always restart it.
+  is created from small values only (ModelRef, DecodeOptions, the output's Location, the run id, the name of the
+  run's progress board: a few hundred bytes, inlined in its creation task), so Ray can always restart it.
 - `max_restarts=-1, max_task_retries=-1`: a replica whose process died comes back, and the `infer` calls it had
   in flight run again there (as Ray Data's pool did); a constructor that raises (a model that cannot load) is not
   restarted, every call then fails, and the run fails with the constructor's error.

@@ -148,17 +148,19 @@ EXAMPLE_DOCS = 5  # jobs/examples/docs
 
 
 @requires_engine
-@pytest.mark.parametrize(("job", "replicas", "expert_parallel"), [
-    ("summarize-local", 1, 1), ("summarize-local", 2, 1), ("summarize-local", 1, 2), ("extract-local", 1, 2)],
-    ids=lambda v: str(v))
+@pytest.mark.parametrize(("job", "replicas", "expert_parallel", "cpus_per_replica"), [
+    ("summarize-local", 1, 1, 1), ("summarize-local", 2, 1, 0.75), ("summarize-local", 1, 2, 1),
+    ("extract-local", 1, 2, 1)], ids=lambda v: str(v))
 def test_the_example_jobs_complete_on_the_machines_cpus(ray_session, tmp_path, monkeypatch, job, replicas,
-                                                       expert_parallel):
-    """The session Ray has the machine's CPUs (2 at most): each combination completes, one row per document."""
+                                                       expert_parallel, cpus_per_replica):
+    """The session Ray has the machine's CPUs (2 at most): each combination completes, one row per document. Two
+    replicas of 1 CPU each leave no CPU for parsing on 2 CPUs: they are refused (below); of 0.75 CPU they run."""
     import ray
 
     assert ray.cluster_resources()["CPU"] == SESSION_CPUS <= 2
     monkeypatch.chdir(REPO)
     spec = load_job(f"jobs/examples/{job}.yaml", [f"resources.replicas={replicas}",
+                                                  f"resources.cpus_per_replica={cpus_per_replica}",
                                                   f"model.expert_parallel={expert_parallel}",
                                                   f"output.uri={tmp_path / 'out'}"])
     report = run(spec).report
@@ -172,11 +174,23 @@ def test_the_example_jobs_complete_on_the_machines_cpus(ray_session, tmp_path, m
 
 
 @requires_engine
-def test_two_replicas_of_two_ranks_on_two_cpus_are_refused(ray_session, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("replicas", "expert_parallel", "needs", "change"), [
+    (2, 1, "2.1 CPU (resources.replicas 2 x (resources.cpus_per_replica 1) + 0.1 for one read/parse/tokenize task)",
+     "Change resources.replicas to 1 or resources.cpus_per_replica to 0.95"),
+    (2, 2, "2.3 CPU (resources.replicas 2 x (resources.cpus_per_replica 1 + 1 x 0.1 per expert rank) + 0.1 for one "
+           "read/parse/tokenize task)", "Change resources.replicas to 1 or resources.cpus_per_replica to 0.85")])
+def test_replicas_that_leave_no_cpu_for_parsing_are_refused(ray_session, tmp_path, monkeypatch, replicas,
+                                                            expert_parallel, needs, change):
     """On the session's Ray (joined: it might grow), run.startup_timeout_s 0 refuses at once."""
+    assert SESSION_CPUS == 2, "the numbers below are a 2-CPU machine's"
     monkeypatch.chdir(REPO)
-    spec = load_job("jobs/examples/summarize-local.yaml", ["resources.replicas=2", "model.expert_parallel=2",
+    spec = load_job("jobs/examples/summarize-local.yaml", [f"resources.replicas={replicas}",
+                                                           f"model.expert_parallel={expert_parallel}",
                                                            "run.startup_timeout_s=0", f"output.uri={tmp_path}/out"])
-    with pytest.raises(PlanRefused, match=r"needs 2\.3 CPU .* cluster has 2 CPU.*startup_timeout_s is 0"):
+    start = time.monotonic()
+    with pytest.raises(PlanRefused) as refused:
         run(spec)
+    assert time.monotonic() - start < 30
+    assert f"the job needs {needs} and the cluster has 2 CPU" in str(refused.value)
+    assert change in str(refused.value) and "startup_timeout_s is 0" in str(refused.value)
     assert not (tmp_path / "out" / "_lock.json").exists()
