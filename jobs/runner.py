@@ -55,7 +55,7 @@ from clover_batch.jobs.preflight import check_model
 from clover_batch.jobs.resources import ClusterShape, ResourcePlan, ensure_plan
 from clover_batch.jobs.spec import JobSpec
 from clover_batch.jobs.watchdog import Diagnosis, RunStalled, Watchdog, _Stall
-from clover_batch.pipeline.builder import PipelineOptions, build_pipeline
+from clover_batch.pipeline.builder import PipelineOptions, build_pipeline, source_dataset
 from clover_batch.pipeline.metrics import RunMetrics
 from clover_batch.pipeline.postprocess import FieldRule
 from clover_batch.pipeline.progress import ProgressNote, board_name, start_board
@@ -444,17 +444,20 @@ def execute(plan: RunPlan, opts: PipelineOptions, on_progress: Callable[[Progres
     metrics = RunMetrics(opts.job_name)
     board = start_board(opts.run_id) if stall_timeout_s > 0 else None
     note = ProgressNote(board_name(opts.run_id) if board is not None else None)
-    dog = None
+    dog = Watchdog([], board, stall_timeout_s)  # watching from here: the source's tasks may wait for CPUs too
     try:
-        with start_replicas(opts, note) as replicas, Watchdog(replicas, board, stall_timeout_s) as dog:
-            for batch in build_pipeline(plan.pending, opts, replicas, note).iter_batches(batch_size=None,
-                                                                                         batch_format="pyarrow"):
-                _count(batch, totals, metrics, plan, opts, swapped)
-                dog.rows(batch.num_rows)
-                if on_progress:
-                    on_progress(totals.progress)
+        with dog:
+            source = source_dataset(plan.pending, opts)  # before the replicas take their CPUs (its docstring)
+            with start_replicas(opts, note) as replicas:
+                dog.replicas = replicas
+                for batch in build_pipeline(source, opts, replicas, note).iter_batches(batch_size=None,
+                                                                                       batch_format="pyarrow"):
+                    _count(batch, totals, metrics, plan, opts, swapped)
+                    dog.rows(batch.num_rows)
+                    if on_progress:
+                        on_progress(totals.progress)
     except _Stall:
-        assert dog is not None and dog.diagnosis is not None
+        assert dog.diagnosis is not None
         raise Stalled(dog.diagnosis, totals) from None
     finally:
         if board is not None:

@@ -87,17 +87,26 @@ def task_cpus(opts: PipelineOptions) -> dict[str, float]:
     }
 
 
-def build_pipeline(docs: pa.Table, opts: PipelineOptions, replicas: list[ActorHandle],
-                   progress: ProgressNote = NO_PROGRESS) -> ray.data.Dataset:
-    """The lazy dataset of per-document stats rows; iterating it runs the job. `docs`: the pending documents
-    (connectors.fs.DOCUMENT_SCHEMA columns, plus `replaces` for retried ones); `replicas`: the infer actors
-    (pipeline.replicas.start_replicas), alive while the dataset runs; `progress`: the stages' notes to the run's
-    stall watchdog (pipeline/progress.py)."""
+def source_dataset(docs: pa.Table, opts: PipelineOptions) -> ray.data.Dataset:
+    """The pending documents as a Ray dataset of small blocks. `docs`: connectors.fs.DOCUMENT_SCHEMA columns, plus
+    `replaces` for retried ones.
+
+    Made before the replicas start: `ray.data.from_arrow` runs one metadata task per block, of 1 CPU each (Ray
+    Data's default, not ours to set), which would wait forever on a machine whose replicas left less than a CPU
+    free (2 replicas of 0.75 CPU on 2 CPUs: the run plans room for its own tasks, not for these)."""
     table = work_table(docs)
     # Small input blocks, so reading and parsing stream into the actors instead of waiting on one big block.
     step = max(opts.prep_batch_size, -(-table.num_rows // 256))
-    blocks = [table.slice(i, step) for i in range(0, table.num_rows, step)]
-    ds = ray.data.from_arrow(blocks)
+    return ray.data.from_arrow([table.slice(i, step) for i in range(0, table.num_rows, step)])
+
+
+def build_pipeline(source: ray.data.Dataset, opts: PipelineOptions, replicas: list[ActorHandle],
+                   progress: ProgressNote = NO_PROGRESS) -> ray.data.Dataset:
+    """The lazy dataset of per-document stats rows; iterating it runs the job. `source`: the pending documents
+    (source_dataset); `replicas`: the infer actors (pipeline.replicas.start_replicas), alive while the dataset runs;
+    `progress`: the stages' notes to the run's stall watchdog (pipeline/progress.py)."""
+    ds = source
+    blocks = range(source.num_blocks())
     fmt = {"batch_format": "pyarrow", "zero_copy_batch": False}
     # Parsing is far cheaper than decoding, so a few task workers keep the actors fed; more would only spawn
     # processes that compete with the actors for CPU while they start. (No pool larger than the blocks there are.)
