@@ -18,8 +18,8 @@ Notable choices:
   full, with one batch queued.
 - A task asks every replica how many documents it holds and hands each batch to the least busy (ties at random):
   a round trip per replica and block, small next to a batch's inference.
-- The replicas belong to the driver: `start_replicas` kills them when the run's dataset is done, and Ray kills
-  them if the driver dies.
+- The replicas belong to the driver: `start_replicas` kills them when the run's dataset is done, and removes the
+  placement groups of their expert ranks (which outlive them); Ray kills them if the driver dies.
 """
 
 from __future__ import annotations
@@ -82,6 +82,10 @@ def start_replicas(opts: PipelineOptions, progress: ProgressNote = NO_PROGRESS) 
     finally:
         for replica in replicas:
             ray.kill(replica, no_restart=True)
+        if opts.model.expert_parallel > 1:  # their ranks' groups outlive them (pipeline/expert_parallel.py)
+            from clover_batch.pipeline.expert_parallel import group_prefix, remove_placement_groups
+
+            remove_placement_groups(group_prefix(opts.run_id))
 
 
 class InferCall:

@@ -228,11 +228,12 @@ class InferStage:
             """On the engine thread: the replica's torch work all happens there (see pipeline/serving.py)."""
             kernels.model_threads(num_threads)
             if model.expert_parallel > 1:
-                from clover_batch.pipeline.expert_parallel import load_replica
+                from clover_batch.pipeline.expert_parallel import group_prefix, load_replica
 
                 self.replica = load_replica(model.local(), expert_parallel=model.expert_parallel, dtype=model.dtype,
                                             device=device, num_threads=max(1, num_threads),
                                             num_cpus_per_rank=rank_num_cpus,
+                                            group_prefix=f"{group_prefix(run_id)}{replica_index}-",
                                             num_gpus_per_rank=1.0 if device == "cuda" else 0.0,
                                             max_restarts=EP_MAX_RESTARTS, overrides=model.overrides)
                 self.model = self.replica.model
