@@ -583,11 +583,6 @@ def _run_here(spec: JobSpec, run_id: str, address: str | None, retry_statuses: t
                 resources = ensure_plan(opts, can_grow=connection.can_grow,
                                         startup_timeout_s=spec.run.startup_timeout_s)
                 log.info("run %s: resource plan: %s", run_id, resources.describe())
-                free = ray.available_resources().get("CPU", 0.0)
-                if free + 1e-9 < resources.need_cpus:  # others hold some now: Ray queues ours until they let go
-                    log.warning("run %s: the plan needs %g CPU and %g are free now (other jobs or runs hold the "
-                                "rest): its actors and tasks wait for them (run.stall_timeout_s bounds the wait)",
-                                run_id, resources.need_cpus, free)
                 _log_listing(plan, run_id)
                 opts = dataclasses.replace(opts, prep_num_cpus=resources.prep_cpus,
                                            rank_num_cpus=resources.rank_cpus or opts.rank_num_cpus)
