@@ -54,7 +54,7 @@ from clover_batch.connectors.sink import (
 from clover_batch.jobs.preflight import check_model
 from clover_batch.jobs.resources import ClusterShape, ResourcePlan, ensure_plan
 from clover_batch.jobs.spec import JobSpec
-from clover_batch.jobs.watchdog import Diagnosis, RunStalled, Watchdog, _Stall
+from clover_batch.jobs.watchdog import Diagnosis, RunStalled, StallInterrupt, Watchdog
 from clover_batch.pipeline.builder import PipelineOptions, build_pipeline, source_dataset
 from clover_batch.pipeline.metrics import RunMetrics
 from clover_batch.pipeline.postprocess import FieldRule
@@ -456,7 +456,7 @@ def execute(plan: RunPlan, opts: PipelineOptions, on_progress: Callable[[Progres
                     dog.rows(batch.num_rows)
                     if on_progress:
                         on_progress(totals.progress)
-    except _Stall:
+    except StallInterrupt:
         assert dog.diagnosis is not None
         raise Stalled(dog.diagnosis, totals) from None
     finally:

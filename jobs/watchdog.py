@@ -1,7 +1,8 @@
 """The run's stall watchdog: a driver thread that ends a run nothing moves in, with a diagnosis.
 
     Watchdog(replicas, board, stall_timeout_s, run_thread)  (a context manager around the run's execution)
-      every POLL_S: replicas' health (EngineLoop.health), the progress board (pipeline/progress.py), rows seen
+      every poll_s (5 s by default): the replicas' health (EngineLoop.health), the progress board
+      (pipeline/progress.py), the rows the run thread saw
       no progress for stall_timeout_s -> diagnose() -> RunStalled raised in the run's thread
 
 Progress is any of: a committed row reaching the driver; an engine step of any replica; a document read or parsed,
@@ -53,7 +54,7 @@ class RunStalled(RuntimeError):
         super().__init__(diagnosis.cause)
 
 
-class _Stall(BaseException):
+class StallInterrupt(BaseException):
     """Raised asynchronously in the run's thread; execute() turns it into RunStalled. A BaseException, so no
     `except Exception` on the way swallows it."""
 
@@ -127,7 +128,7 @@ class Watchdog:
                 log.error("run stalled:\n  %s", "\n  ".join(self.diagnosis.lines()))
                 if not self._stop.is_set():
                     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.run_thread),
-                                                               ctypes.py_object(_Stall))
+                                                               ctypes.py_object(StallInterrupt))
                 return
 
     def _moved(self, signal: str, value: float) -> None:
