@@ -206,6 +206,15 @@ class InferStage:
                  replica_index: int = 0, rank_num_cpus: float = 1.0, progress: ProgressNote = NO_PROGRESS):
         """rank_num_cpus: the Ray CPU share of each expert-parallel worker rank (the run's resource plan may fit it
         to the cluster); progress: where this replica's heartbeat goes while it loads (pipeline/progress.py)."""
+        # The watchdog cannot ask a replica that is still in its constructor: it sends its own heartbeat, from the
+        # first line (importing torch and loading the model take long on a busy machine) until it can answer.
+        with progress.beating(REPLICA_LOAD):
+            self._start(model, decode, num_threads, max_slots, page_size, output, run_id, max_attempts, job_name,
+                        replica_index, rank_num_cpus)
+
+    def _start(self, model: ModelRef, decode: DecodeOptions, num_threads: int, max_slots: int, page_size: int,
+               output: Location | None, run_id: str, max_attempts: int, job_name: str, replica_index: int,
+               rank_num_cpus: float) -> None:
         import ray
         import torch
         from clover_batch.model import Engine, kernels, load_model
@@ -244,9 +253,8 @@ class InferStage:
         # a dead worker rank of an expert-parallel replica: restart the workers, rerun what was in flight
         recover = (lambda: self.replica.restart()) if model.expert_parallel > 1 else None  # type: ignore[union-attr]
         self.metrics = ReplicaMetrics(job_name, replica_index) if ray.is_initialized() else None
-        with progress.beating(REPLICA_LOAD):  # the watchdog cannot ask a replica that is still in its constructor
-            self.loop = EngineLoop(build, recover=recover, max_recoveries=EP_MAX_RESTARTS, on_admit=on_admit,
-                                   on_leave=on_leave, on_step=self.metrics.stepped if self.metrics else None)
+        self.loop = EngineLoop(build, recover=recover, max_recoveries=EP_MAX_RESTARTS, on_admit=on_admit,
+                               on_leave=on_leave, on_step=self.metrics.stepped if self.metrics else None)
         self.engine = self.loop.engine
         self.kernels = (f"{kernels.describe()}; CUDA graphs {'on' if self.engine.static else 'off'}; "
                         f"{self.model.dtype} on {device}")
