@@ -424,10 +424,13 @@ class RunTotals:
 class Stalled(RunStalled):
     """RunStalled, with what the run had done when it stalled (for its report)."""
 
-    def __init__(self, diagnosis: Diagnosis, totals: RunTotals):
+    def __init__(self, diagnosis: Diagnosis, totals: RunTotals, report_uri: str = ""):
         super().__init__(diagnosis)
         self.totals = totals
-        self.report_uri = ""
+        self.report_uri = report_uri
+
+    def __reduce__(self):  # raised in a ray:// run's driver actor, unpickled in the client
+        return type(self), (self.diagnosis, self.totals, self.report_uri)
 
 
 def execute(plan: RunPlan, opts: PipelineOptions, on_progress: Callable[[Progress], None] | None = None, *,

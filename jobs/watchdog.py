@@ -53,6 +53,9 @@ class RunStalled(RuntimeError):
         self.diagnosis = diagnosis
         super().__init__(diagnosis.cause)
 
+    def __reduce__(self):
+        return type(self), (self.diagnosis,)
+
 
 class StallInterrupt(BaseException):
     """Raised asynchronously in the run's thread; execute() turns it into RunStalled. A BaseException, so no

@@ -95,3 +95,17 @@ def test_the_stall_timeout_must_exceed_the_parse_timeout():
         parse_job(raw)
     assert parse_job({**raw, "run": {"stall_timeout_s": 0}}).run.stall_timeout_s == 0  # off
     assert parse_job(job_raw("in", "out")).run.stall_timeout_s == 900
+
+
+def test_the_stall_error_crosses_to_a_ray_client():
+    """A ray:// run's driver actor raises it; the client unpickles it, diagnosis, totals and report URI intact."""
+    import pickle
+
+    from clover_batch.jobs.runner import Progress, RunTotals, Stalled
+    from clover_batch.jobs.watchdog import Diagnosis
+
+    error = Stalled(Diagnosis("run stalled: nothing moved", "infer: replica 0 holds 2 documents", 31.0, "parse"),
+                    RunTotals(Progress(total=7, done=3)), "out/_reports/r.json")
+    back = pickle.loads(pickle.dumps(error))
+    assert (str(back), back.diagnosis, back.totals.progress.done, back.report_uri) == (
+        "run stalled: nothing moved", error.diagnosis, 3, "out/_reports/r.json")
