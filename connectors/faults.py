@@ -10,7 +10,9 @@ workers as `CLOVER_BATCH_FAULT_PID`). Actions:
 Points: `listing`, `inference` (after a generate() call), `writing` (the part's bytes exist only as a temporary),
 `committing` (the part is staged, its lock check not done yet), `checked` (the check passed, the part is not
 published yet), `committed` (the part is visible), `swapping`
-(a retried document's new rows are staged, the old part not yet rewritten), `swapped` (one old part rewritten).
+(a retried document's new rows are staged, the old part not yet rewritten), `swapped` (one old part rewritten),
+`engine_step` (a replica's engine thread, before each engine step: `engine_step:<n>:stall` is a replica that stops
+stepping with documents inside, for the stall watchdog's tests).
 
 `CLOVER_BATCH_FAULT_DOC="<action>:<text>[,<action>:<text>...]"` faults one document, by a piece of its URI:
 - `read_denied:<text>`: reading it raises PermissionError (an infrastructure failure that retries do not fix).

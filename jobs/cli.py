@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from clover_batch.jobs.model_cli import register_model_commands
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -156,12 +157,15 @@ def run(
     0 every document has a row and none failed;
     3 the run completed, but some rows are failures (read_error, inference_error, internal_error, crashed, or a
     status named in run.fail_on_status / --fail-on-status): rerun with --retry-failed;
-    1 the run itself failed (model, storage, cluster, another run writing the output);
-    2 bad job file or usage (nothing was run);
+    1 the run itself failed (model, storage, cluster, another run writing the output), stalled (nothing moved
+    for run.stall_timeout_s: a diagnosis on stderr and in the run report), or the cluster did not grow to fit the
+    job within run.startup_timeout_s;
+    2 bad job file or usage, or a job whose resources can never fit the cluster (nothing was run);
     130 / 143 interrupted by SIGINT / SIGTERM (the output's lock released, finished rows kept).
     """
     from clover_batch.connectors.sink import OutputConflict
-    from clover_batch.jobs.runner import DEFAULT_RETRY_STATUSES, ExitCode, UsageError
+    from clover_batch.jobs.resources import PlanRefused
+    from clover_batch.jobs.runner import DEFAULT_RETRY_STATUSES, ExitCode, Stalled, UsageError
     from clover_batch.jobs.runner import run as run_job
 
     logging.basicConfig(
@@ -203,9 +207,15 @@ def run(
                           "the output's lock is released and finished documents are kept; run again to go on[/red]",
                           highlight=False, soft_wrap=True)
         raise typer.Exit(code) from None
-    except (UsageError, OutputConflict) as e:  # the job or the command line must change: no point in retrying
-        err_console.print(f"[red]{job}: {e}[/red]", highlight=False, soft_wrap=True)
+    except (UsageError, OutputConflict, PlanRefused) as e:  # the job or the command line must change
+        err_console.print(f"[red]{job}: {escape(str(e))}[/red]", highlight=False, soft_wrap=True)
         raise typer.Exit(ExitCode.BAD_JOB) from None
+    except Stalled as e:  # the watchdog logged the diagnosis (stderr); the report holds it too
+        if e.report_uri:
+            err_console.print(f"run report with the diagnosis: {e.report_uri}", highlight=False, soft_wrap=True)
+        err_console.print(f"{e} (finished documents are kept; run again to go on)", markup=False,
+                          highlight=False, soft_wrap=True)
+        raise typer.Exit(ExitCode.RUN_FAILED) from None
     except Exception as e:  # a run-level failure (model cannot load, storage unreachable): say it plainly
         if verbose:
             raise
@@ -273,6 +283,8 @@ def _print_report(report: RunReport) -> None:
     )
     for kernels in report.kernels:
         console.print(f"replica: {kernels}", highlight=False)
+    if report.resources:
+        console.print(f"resources: {report.resources['summary']}", highlight=False, markup=False)
 
 
 @app.command()

@@ -5,8 +5,11 @@ run is committed in exactly one part under the output lock (connectors/sink.py).
 
     connect_ray (local, a cluster's host:port, or ray:// where the run itself executes on the cluster)
     -> plan_run (clean up, publish parts left staged, list, subtract the done set; retried documents flagged)
+    -> ensure_plan (jobs/resources.py: the resource plan, checked against the cluster before any replica starts:
+       fitted, refused (exit 2), or waited for on a cluster that may grow (exit 1 past run.startup_timeout_s))
     -> execute (the run's replica actors and the Ray Data pipeline; progress; metrics; retried rows swapped in as
-       their parts come back)
+       their parts come back; the stall watchdog, jobs/watchdog.py, ends it with a diagnosis if nothing moves for
+       run.stall_timeout_s)
     -> RunReport (typed; written as JSON next to the output), with the outcome a scheduler acts on (`ExitCode`)
 
 The outcome is judged on the output as this run leaves it, for the documents listed now: a row of an earlier run
@@ -49,10 +52,13 @@ from clover_batch.connectors.sink import (
     write_report,
 )
 from clover_batch.jobs.preflight import check_model
+from clover_batch.jobs.resources import ClusterShape, ResourcePlan, ensure_plan
 from clover_batch.jobs.spec import JobSpec
-from clover_batch.pipeline.builder import PipelineOptions, build_pipeline
+from clover_batch.jobs.watchdog import Diagnosis, RunStalled, StallInterrupt, Watchdog
+from clover_batch.pipeline.builder import PipelineOptions, build_pipeline, source_dataset
 from clover_batch.pipeline.metrics import RunMetrics
 from clover_batch.pipeline.postprocess import FieldRule
+from clover_batch.pipeline.progress import ProgressNote, board_name, start_board
 from clover_batch.pipeline.replicas import start_replicas
 from clover_batch.pipeline.rows import INFRASTRUCTURE_STATUSES, STAGES, STATUSES
 from clover_batch.pipeline.stages import ModelRef, TaskRef
@@ -68,8 +74,10 @@ class ExitCode(enum.IntEnum):
     """What `clover-batch run` exits with; README's Scheduling section says what a scheduler does with each."""
 
     OK = 0  # every listed document has a row, and none has a failing status
-    RUN_FAILED = 1  # the run itself failed (model, storage, cluster, another run holding the output)
-    BAD_JOB = 2  # the job file or the command line cannot be used (UsageError, OutputConflict, a bad field)
+    RUN_FAILED = 1  # the run itself failed (model, storage, cluster, another run holding the output), stalled
+    # (no progress for run.stall_timeout_s), or its cluster did not grow to fit it within run.startup_timeout_s
+    BAD_JOB = 2  # the job file or the command line cannot be used (UsageError, OutputConflict, a bad field), or
+    # its resource plan can never fit the cluster (jobs.resources.PlanRefused)
     FAILED_ROWS = 3  # completed, but some listed documents' rows are failures: rerun with --retry-failed
     INTERRUPTED = 128 + signal.SIGINT  # 130: SIGINT (Ctrl-C); the lock was released, finished rows are kept
     TERMINATED = 128 + signal.SIGTERM  # 143: SIGTERM (a scheduler stopping the task); the same
@@ -122,6 +130,11 @@ class RunReport:
     kernels: list[str]  # what the replicas ran: fla or torch kernels, CUDA graphs, dtype and device
     stage_seconds: dict[str, float]  # seconds per stage, summed over documents
     job: dict[str, Any]  # the job as run (decode: with the checkpoint's defaults), storage options left out
+    # the resource plan (jobs.resources.ResourcePlan.to_json: numbers, what was fitted); {} when Ray was not needed
+    resources: dict[str, Any] = field(default_factory=dict)
+    # a stalled run's diagnosis (jobs.watchdog.Diagnosis: the stalled stage, replicas' engine states, pending
+    # tasks and actors); None when the run did not stall
+    stall: dict[str, Any] | None = None
     # the ok rows' mean_logprob (the trunk's confidence in the outputs): count, mean, min, p10, p50, p90, max
     mean_logprob: dict[str, float | None] = field(default_factory=dict)
     decode_from_checkpoint: dict[str, str] = field(default_factory=dict)  # decode field -> checkpoint file:key
@@ -147,6 +160,7 @@ def new_run_id() -> str:
 class RayConnection:
     address: str  # the address joined, or "local"
     client: bool  # Ray Client (ray://): Ray Data cannot execute from here, so the run executes on the cluster
+    can_grow: bool = True  # a cluster the run joined may grow; a Ray the run started cannot (jobs/resources.py)
 
 
 def ray_address(address: str | None) -> str | None:
@@ -205,7 +219,7 @@ def connect_ray(address: str | None) -> Iterator[RayConnection]:
         # "local": a new Ray of our own, whatever a stale /tmp/ray/ray_current_cluster says
         with _keeping_sigterm_handler():
             ray.init(address="local", include_dashboard=False, **options)
-        connection = RayConnection("local", False)
+        connection = RayConnection("local", False, can_grow=False)
     else:
         check_reachable(address)
         client = address.startswith("ray://")
@@ -308,17 +322,6 @@ def check_output_outside_input(input: Location, output: Location) -> None:
                          f"documents; choose an output outside the input folder")
 
 
-def check_cluster_fits(spec: JobSpec) -> None:
-    """A replica that needs more GPUs or CPUs than the whole cluster has would wait forever for its actor."""
-    have = ray.cluster_resources()
-    need = {"GPU": spec.resources.gpus_per_replica * spec.model.expert_parallel,
-            "CPU": spec.resources.cpus_per_replica}
-    short = [f"{need[r]:g} {r} per replica, the cluster has {have.get(r, 0):g}"
-             for r in need if need[r] > have.get(r, 0)]
-    if short:
-        raise ValueError(f"resources: {'; '.join(short)}")
-
-
 def check_retry_statuses(statuses: Sequence[str]) -> tuple[str, ...]:
     """Statuses to run again, checked: a typo would otherwise retry nothing, silently."""
     unknown = [s for s in statuses if s not in STATUSES]
@@ -396,9 +399,12 @@ def plan_run(opts: PipelineOptions, include: list[str], exclude: list[str], *,
                    retried=len(old_parts), committed_rows=index.num_rows,
                    old_parts=old_parts, removed_temporaries=removed, published_staged=len(recovery.published),
                    dropped_staged=len(recovery.dropped))
-    log.info("run %s: %d listed, %d already done, %d to process (%d retried)", opts.run_id, plan.listed,
-             plan.skipped_done, pending.num_rows, plan.retried)
     return plan
+
+
+def _log_listing(plan: RunPlan, run_id: str) -> None:
+    log.info("run %s: %d listed, %d already done, %d to process (%d retried)", run_id, plan.listed,
+             plan.skipped_done, plan.pending.num_rows, plan.retried)
 
 
 @dataclass
@@ -415,10 +421,23 @@ class RunTotals:
     mean_logprobs: list[float] = field(default_factory=list)  # of the ok rows that have one
 
 
-def execute(plan: RunPlan, opts: PipelineOptions, on_progress: Callable[[Progress], None] | None = None
-            ) -> RunTotals:
+class Stalled(RunStalled):
+    """RunStalled, with what the run had done when it stalled (for its report)."""
+
+    def __init__(self, diagnosis: Diagnosis, totals: RunTotals, report_uri: str = ""):
+        super().__init__(diagnosis)
+        self.totals = totals
+        self.report_uri = report_uri
+
+    def __reduce__(self):  # raised in a ray:// run's driver actor, unpickled in the client
+        return type(self), (self.diagnosis, self.totals, self.report_uri)
+
+
+def execute(plan: RunPlan, opts: PipelineOptions, on_progress: Callable[[Progress], None] | None = None, *,
+            stall_timeout_s: float = 0.0) -> RunTotals:
     """Run the pipeline over the pending documents. Retried documents' rows come back staged; each is swapped into
-    the part holding the old row here, on the driver, one at a time (connectors.sink.swap_in)."""
+    the part holding the old row here, on the driver, one at a time (connectors.sink.swap_in). With
+    `stall_timeout_s`, a watchdog (jobs/watchdog.py) raises RunStalled (Stalled) when nothing moves that long."""
     totals = RunTotals(Progress(total=plan.pending.num_rows))
     if on_progress:
         on_progress(totals.progress)
@@ -426,12 +445,26 @@ def execute(plan: RunPlan, opts: PipelineOptions, on_progress: Callable[[Progres
         return totals
     swapped: set[str] = set()
     metrics = RunMetrics(opts.job_name)
-    with start_replicas(opts) as replicas:
-        for batch in build_pipeline(plan.pending, opts, replicas).iter_batches(batch_size=None,
-                                                                               batch_format="pyarrow"):
-            _count(batch, totals, metrics, plan, opts, swapped)
-            if on_progress:
-                on_progress(totals.progress)
+    board = start_board(opts.run_id) if stall_timeout_s > 0 else None
+    note = ProgressNote(board_name(opts.run_id) if board is not None else None)
+    dog = Watchdog([], board, stall_timeout_s)  # watching from here: the source's tasks may wait for CPUs too
+    try:
+        with dog:
+            source = source_dataset(plan.pending, opts)  # before the replicas take their CPUs (its docstring)
+            with start_replicas(opts, note) as replicas:
+                dog.replicas = replicas
+                for batch in build_pipeline(source, opts, replicas, note).iter_batches(batch_size=None,
+                                                                                       batch_format="pyarrow"):
+                    _count(batch, totals, metrics, plan, opts, swapped)
+                    dog.rows(batch.num_rows)
+                    if on_progress:
+                        on_progress(totals.progress)
+    except StallInterrupt:
+        assert dog.diagnosis is not None
+        raise Stalled(dog.diagnosis, totals) from None
+    finally:
+        if board is not None:
+            ray.kill(board)
     return totals
 
 
@@ -540,17 +573,34 @@ def _run_here(spec: JobSpec, run_id: str, address: str | None, retry_statuses: t
         plan = plan_run(opts, spec.input.include, spec.input.exclude, retry_statuses=retry_statuses,
                         previous_owner=lock.took_over_from)
         connected = ""
+        resources: ResourcePlan | None = None
+        if plan.pending.num_rows and ray_address(address) is None and not ray.is_initialized():
+            # a local Ray of our own: its size is known before it starts, a plan that cannot fit is refused now
+            ensure_plan(opts, can_grow=False, startup_timeout_s=0, shape=lambda _: ClusterShape.this_machine())
         if plan.pending.num_rows:
             # Ray is stopped (or left) before the lock is released: no worker of this run commits after it.
             with connect_ray(address) as connection:
                 connected = connection.address
                 configure_ray_data()
-                check_cluster_fits(spec)
-                totals = execute(plan, opts, on_progress)
+                # before any replica starts: refused (exit 2), waited for, or fitted to the cluster
+                resources = ensure_plan(opts, can_grow=connection.can_grow,
+                                        startup_timeout_s=spec.run.startup_timeout_s)
+                log.info("run %s: resource plan: %s", run_id, resources.describe())
+                _log_listing(plan, run_id)
+                opts = dataclasses.replace(opts, prep_num_cpus=resources.prep_cpus,
+                                           rank_num_cpus=resources.rank_cpus or opts.rank_num_cpus)
+                try:
+                    totals = execute(plan, opts, on_progress, stall_timeout_s=spec.run.stall_timeout_s)
+                except Stalled as e:  # the diagnosis goes into the report; the lock is released on the way out
+                    report = _report(spec, run_id, plan, e.totals, connected, time.perf_counter() - start,
+                                     fail_on_status, model_info or ModelInfo(), resources, e.diagnosis)
+                    e.report_uri = write_report(opts.output, run_id, report.to_json())
+                    raise
         else:
+            _log_listing(plan, run_id)
             totals = execute(plan, opts, on_progress)
         report = _report(spec, run_id, plan, totals, connected, time.perf_counter() - start, fail_on_status,
-                         model_info or ModelInfo())
+                         model_info or ModelInfo(), resources)
         report_uri = write_report(opts.output, run_id, report.to_json())
     log.info("run %s finished: %s", run_id, report.by_status)
     return RunResult(run_id, report, report_uri)
@@ -570,7 +620,8 @@ def distribution(values: list[float]) -> dict[str, float | None]:
 
 
 def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_address: str, wall: float,
-            fail_on_status: tuple[str, ...], model_info: ModelInfo) -> RunReport:
+            fail_on_status: tuple[str, ...], model_info: ModelInfo, resources: ResourcePlan | None = None,
+            stall: Diagnosis | None = None) -> RunReport:
     done = totals.progress.done
     documents = Counter(plan.skipped_by_status) + totals.progress.by_status
     failures = failing(dict(documents), fail_on_status)
@@ -591,7 +642,7 @@ def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_ad
         documents_by_status=dict(sorted(documents.items())),
         fail_on_status=list(fail_on_status),
         failures=dict(sorted(failures.items())),
-        exit_code=int(ExitCode.FAILED_ROWS if failures else ExitCode.OK),
+        exit_code=int(ExitCode.RUN_FAILED if stall else ExitCode.FAILED_ROWS if failures else ExitCode.OK),
         output_rows=plan.committed_rows + done - totals.replaced,
         removed_temporaries=plan.removed_temporaries,
         published_staged=plan.published_staged,
@@ -611,6 +662,8 @@ def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_ad
         mean_logprob=distribution(totals.mean_logprobs),
         decode_from_checkpoint=model_info.decode_sources,
         preview_operator=model_info.preview,
+        resources=resources.to_json() if resources else {},
+        stall=dataclasses.asdict(stall) if stall else None,
     )
 
 

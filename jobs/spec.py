@@ -236,7 +236,26 @@ class ResourcesSpec(_Strict):
         return self
 
 
+STALL_TIMEOUT_S = 900  # run.stall_timeout_s's default; README's Scheduling section says why
+
+
 class RunSpec(_Strict):
+    startup_timeout_s: float = Field(
+        default=600,
+        ge=0,
+        description="On a cluster the run joined (an address, RAY_ADDRESS), most seconds to wait for the cluster to "
+        "grow until the job's resource plan fits (an autoscaler adding nodes); past it the run fails (exit 1). "
+        "0: refuse at once (exit 2), for a cluster of fixed size. A Ray the run starts itself cannot grow: a plan "
+        "that does not fit it is refused at once.",
+    )
+    stall_timeout_s: float = Field(
+        default=STALL_TIMEOUT_S,
+        ge=0,
+        description="The run is stalled, and fails (exit 1, with a diagnosis), after this many seconds with no "
+        "committed row, no engine step of any replica, no document read or parsed and no loading replica's "
+        "heartbeat. Must be more than input.parse_timeout_s (a document may parse that long) and than one prefill "
+        "chunk's forward on the slowest replica. 0 turns the watchdog off.",
+    )
     fail_on_status: list[str] = Field(
         default=[],
         description="Document statuses that fail the run like infrastructure failures: `clover-batch run` exits 3 "
@@ -269,7 +288,17 @@ class JobSpec(_Strict):
     )
     decode: DecodeSpec = Field(default_factory=DecodeSpec, description="Decoding options.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Actor pool resources.")
-    run: RunSpec = Field(default_factory=RunSpec, description="What the run's outcome (its exit code) counts.")
+    run: RunSpec = Field(default_factory=RunSpec, description="What the run's outcome (its exit code) counts, and "
+                         "how long it waits for a cluster or for progress.")
+
+    @model_validator(mode="after")
+    def _stall_after_parse(self) -> JobSpec:
+        # A document may legitimately parse for input.parse_timeout_s with nothing else moving (one replica, idle)
+        if self.run.stall_timeout_s and self.run.stall_timeout_s <= self.input.parse_timeout_s:
+            raise ValueError(f"run.stall_timeout_s ({self.run.stall_timeout_s:g}) must be more than "
+                             f"input.parse_timeout_s ({self.input.parse_timeout_s:g}): one document may parse that "
+                             f"long, and would be taken for a stall")
+        return self
 
 
 class JobSpecError(ValueError):

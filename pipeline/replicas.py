@@ -7,8 +7,8 @@ Notable choices:
   context as objects in the object store, and is restarted without limit; Ray logs at error level, for every such
   actor, that a restart fails once those objects are gone (ray-project/ray#53727). A restart is what the
   poison-document handling relies on (a process killed by a document comes back and runs it alone). A replica here
-  is created from small values only (ModelRef, DecodeOptions, the output's Location, the run id: a few hundred bytes,
-  inlined in its creation task), so Ray can always restart it.
+  is created from small values only (ModelRef, DecodeOptions, the output's Location, the run id, the name of the
+  run's progress board: a few hundred bytes, inlined in its creation task), so Ray can always restart it.
 - `max_restarts=-1, max_task_retries=-1`: a replica whose process died comes back, and the `infer` calls it had
   in flight run again there (as Ray Data's pool did); a constructor that raises (a model that cannot load) is not
   restarted, every call then fails, and the run fails with the constructor's error.
@@ -18,8 +18,8 @@ Notable choices:
   full, with one batch queued.
 - A task asks every replica how many documents it holds and hands each batch to the least busy (ties at random):
   a round trip per replica and block, small next to a batch's inference.
-- The replicas belong to the driver: `start_replicas` kills them when the run's dataset is done, and Ray kills
-  them if the driver dies.
+- The replicas belong to the driver: `start_replicas` kills them when the run's dataset is done, and removes the
+  placement groups of their expert ranks (which outlive them); Ray kills them if the driver dies.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import ray
+from clover_batch.pipeline.progress import NO_PROGRESS, ProgressNote
 from clover_batch.pipeline.stages import InferStage
 
 if TYPE_CHECKING:
@@ -48,8 +49,9 @@ def batches_in_flight(opts: PipelineOptions) -> int:
 
 
 @contextlib.contextmanager
-def start_replicas(opts: PipelineOptions) -> Iterator[list[ActorHandle]]:
-    """Start the run's replicas (their models load in the background); kill them on the way out."""
+def start_replicas(opts: PipelineOptions, progress: ProgressNote = NO_PROGRESS) -> Iterator[list[ActorHandle]]:
+    """Start the run's replicas (their models load in the background); kill them on the way out. `progress`: where
+    a loading replica's heartbeat goes (pipeline/progress.py)."""
     actor = ray.remote(InferStage).options(
         num_cpus=opts.cpus_per_replica,
         num_gpus=opts.gpus_per_replica,
@@ -60,7 +62,8 @@ def start_replicas(opts: PipelineOptions) -> Iterator[list[ActorHandle]]:
     replicas = [
         actor.remote(model=opts.model, decode=opts.decode, num_threads=max(1, int(opts.cpus_per_replica)),
                      max_slots=opts.max_slots, page_size=opts.kv_page_tokens, output=opts.output, run_id=opts.run_id,
-                     max_attempts=opts.max_attempts, job_name=opts.job_name, replica_index=i)
+                     max_attempts=opts.max_attempts, job_name=opts.job_name, replica_index=i,
+                     rank_num_cpus=opts.rank_num_cpus, progress=progress)
         for i in range(opts.replicas)
     ]
     try:
@@ -79,6 +82,10 @@ def start_replicas(opts: PipelineOptions) -> Iterator[list[ActorHandle]]:
     finally:
         for replica in replicas:
             ray.kill(replica, no_restart=True)
+        if opts.model.expert_parallel > 1:  # their ranks' groups outlive them (pipeline/expert_parallel.py)
+            from clover_batch.pipeline.expert_parallel import group_prefix, remove_placement_groups
+
+            remove_placement_groups(group_prefix(opts.run_id))
 
 
 class InferCall:

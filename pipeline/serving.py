@@ -31,6 +31,11 @@ Notable choices:
   with a death among others: that only makes it run alone next time, and never ends it `crashed`.
 - `on_step` (the replica's metrics) is called on the engine thread after every step and before it waits for work,
   with the engine and how many requests are queued in front of it (taken in, not yet holding a slot).
+- `health()` says what the engine thread is doing (`state`, since when) and how many steps it finished, from plain
+  attributes the thread sets: any other thread (the actor's event loop, answering the run's stall watchdog) reads
+  them without a lock and without waiting for the engine thread, so a replica whose engine is stuck still answers.
+  A test switches on a stuck engine with the fault point `engine_step` (connectors/faults.py), reached before
+  every step.
 - Given a builder instead of an Engine, the thread builds it (loads the model) itself, and the constructor waits
   for it: all of a replica's torch work then happens on one thread. On CPU this is worth 3-4x: torch's OpenMP
   pool belongs to the thread that starts a parallel region, and once the actor's main thread had one (loading the
@@ -46,11 +51,13 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from clover_batch.connectors.faults import fault_point
 from clover_batch.model import Engine, EngineCapacityError, Generation, Request
 from clover_batch.model.expert_parallel import ExpertParallelError
 
@@ -146,6 +153,16 @@ class _Records:
                 self.inbox.put(_Admitted(items, error))  # wakes the engine thread
 
 
+@dataclass(frozen=True)
+class EngineHealth:
+    """What an engine loop is doing, as its stall watchdog sees it (EngineLoop.health)."""
+
+    state: str  # loading | waiting for work | stepping | recovering | failed
+    state_seconds: float  # how long it has been in that state
+    steps: int  # engine steps finished (prefill chunks and decode steps, one-at-a-time reruns included)
+    holding: int  # documents submitted to the loop whose result is not back yet
+
+
 class EngineLoop:
     """Runs `engine` in a daemon thread; `await submit(prompt_ids)` returns the prompt's Generation."""
 
@@ -176,6 +193,8 @@ class EngineLoop:
         self._pending: dict[str, _Pending] = {}
         self._ids = itertools.count()
         self._fatal: BaseException | None = None
+        self.steps = 0  # engine steps finished; written by the engine thread only
+        self._state, self._state_since = "loading", time.monotonic()  # ditto: see health()
         self.engine: Engine
         failed: list[BaseException] = []
         ready = threading.Event()
@@ -195,6 +214,16 @@ class EngineLoop:
         ready.wait()
         if failed:
             raise failed[0]
+
+    def health(self) -> EngineHealth:
+        """The engine thread's state, read from any thread without waiting for it (a stuck step included)."""
+        state, since = self._state, self._state_since  # one tuple read each: consistent enough for a watchdog
+        return EngineHealth(state="failed" if self._fatal is not None else state,
+                            state_seconds=time.monotonic() - since, steps=self.steps, holding=self.in_loop)
+
+    def _now(self, state: str) -> None:
+        if state != self._state:
+            self._state, self._state_since = state, time.monotonic()
 
     async def submit(self, prompt_ids: list[int], *, name: str = "request", alone: bool = False) -> Generation:
         """The prompt's Generation; with `alone`, run when no other request is in the engine, and none joins it."""
@@ -221,6 +250,7 @@ class EngineLoop:
             self._deliver()
             self._observe()
             if not progressed:  # nothing changed since the inbox was drained: wait for it
+                self._now("waiting for work")
                 self._take(block=True)  # a new request, or an admission back from the records thread
 
     def _observe(self) -> None:
@@ -234,8 +264,11 @@ class EngineLoop:
             log.warning("on_step failed: %s: %s", type(e).__name__, e)
 
     def _step(self) -> None:
+        self._now("stepping")
         try:
+            fault_point("engine_step")  # tests: `engine_step:<n>:stall` hangs this thread with documents inside
             finished = self.engine.step()
+            self.steps += 1
         except ExpertParallelError as e:
             self._replica_failed(e)
             return
@@ -328,6 +361,7 @@ class EngineLoop:
                 self._finish(item, result=gen)
 
     def _replica_failed(self, error: ExpertParallelError) -> None:
+        self._now("recovering")
         self._failures_in_a_row += 1
         if self.recover is not None and self._failures_in_a_row <= self.max_recoveries:
             log.warning("expert-parallel replica failed (%s); restarting it and rerunning %d requests", error,
@@ -358,6 +392,7 @@ class EngineLoop:
                 result: dict[str, Generation] = {}
                 while self.engine.has_work:
                     result.update(self.engine.step())
+                    self.steps += 1
             except ExpertParallelError as e:
                 for rest in suspects[i + 1:]:  # back in the engine: they run together once the replica is back
                     self.engine.add(rest.request)

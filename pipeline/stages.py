@@ -5,6 +5,8 @@ model replica and one continuous-batching engine, fed by several Ray batches at 
 pipeline/replicas.py); postprocess decodes and checks answers;
 `WriteStage` commits each batch as one Parquet part and passes on only small stats rows for progress and the report.
 Stages never raise for a bad document: they set its status (see pipeline/parse.py and pipeline/rows.py).
+Each stage tells the run's progress board (pipeline/progress.py) as it moves on, for the stall watchdog: per
+document where one document may take long (read, parse), per batch elsewhere.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from clover_batch.connectors.fs import Location, read_bytes
 from clover_batch.connectors.sink import stage_replacement, write_part
 from clover_batch.pipeline.parse_process import parse_isolated
 from clover_batch.pipeline.postprocess import FieldRule, check_extraction, extraction_instruction, strip_thinking
+from clover_batch.pipeline.progress import NO_PROGRESS, REPLICA_LOAD, ProgressNote
 from clover_batch.pipeline.rows import (
     OUTPUT_SCHEMA,
     STATS_SCHEMA,
@@ -78,9 +81,10 @@ def _ok(row: dict[str, Any]) -> bool:
 class ReadStage:
     """Fetch each document's bytes (needs: source_uri, size)."""
 
-    def __init__(self, storage_options: dict[str, Any], max_file_bytes: int):
+    def __init__(self, storage_options: dict[str, Any], max_file_bytes: int, progress: ProgressNote = NO_PROGRESS):
         self.storage_options = storage_options
         self.max_file_bytes = max_file_bytes
+        self.progress = progress
 
     RETRY_DELAYS_S = (0.5, 2.0, 8.0)
 
@@ -111,6 +115,7 @@ class ReadStage:
                     row["data"] = self._read(row["source_uri"])
                 except Exception as e:  # storage errors are per document; the run goes on
                     fail(row, "read_error", f"cannot read: {type(e).__name__}: {e}")
+            self.progress("read")
         return to_table(rows)
 
 
@@ -120,7 +125,9 @@ class ParseStage:
     costs its own row, not the worker. Sets `format`, `pages` and `text_source` (how the text was obtained)."""
 
     def __init__(self, fallback_encoding: str | None, timeout_s: float = 300.0, max_pages: int | None = None, *,
-                 pdf_text: str = "markdown", ocr: str = "auto", max_unpacked_bytes: int | None = None):
+                 pdf_text: str = "markdown", ocr: str = "auto", max_unpacked_bytes: int | None = None,
+                 progress: ProgressNote = NO_PROGRESS):
+        self.progress = progress
         self.fallback_encoding = fallback_encoding
         self.timeout_s = timeout_s
         self.max_pages = max_pages
@@ -143,13 +150,15 @@ class ParseStage:
                            text_source=parsed.text_source)
                 if parsed.status != "ok":
                     fail(row, parsed.status, parsed.error)
+            self.progress("parse")
         return to_table(rows)
 
 
 class TokenizeStage:
     """Text -> prompt token ids (needs: text); documents over the limit get `too_long`."""
 
-    def __init__(self, model: ModelRef, task: TaskRef, max_input_tokens: int):
+    def __init__(self, model: ModelRef, task: TaskRef, max_input_tokens: int, progress: ProgressNote = NO_PROGRESS):
+        self.progress = progress
         self.model = model
         self.instruction = task.prompt_instruction()
         self.max_input_tokens = max_input_tokens
@@ -175,6 +184,7 @@ class TokenizeStage:
                          f"prompt is {len(ids)} tokens, over input.max_input_tokens={self.max_input_tokens}")
                 else:
                     row["prompt_ids"] = ids
+        self.progress("tokenize")
         return to_table(rows)
 
 
@@ -193,7 +203,18 @@ class InferStage:
 
     def __init__(self, model: ModelRef, decode: DecodeOptions, num_threads: int, max_slots: int, page_size: int = 256,
                  output: Location | None = None, run_id: str = "", max_attempts: int = 2, job_name: str = "",
-                 replica_index: int = 0):
+                 replica_index: int = 0, rank_num_cpus: float = 1.0, progress: ProgressNote = NO_PROGRESS):
+        """rank_num_cpus: the Ray CPU share of each expert-parallel worker rank (the run's resource plan may fit it
+        to the cluster); progress: where this replica's heartbeat goes while it loads (pipeline/progress.py)."""
+        # The watchdog cannot ask a replica that is still in its constructor: it sends its own heartbeat, from the
+        # first line (importing torch and loading the model take long on a busy machine) until it can answer.
+        with progress.beating(REPLICA_LOAD):
+            self._start(model, decode, num_threads, max_slots, page_size, output, run_id, max_attempts, job_name,
+                        replica_index, rank_num_cpus)
+
+    def _start(self, model: ModelRef, decode: DecodeOptions, num_threads: int, max_slots: int, page_size: int,
+               output: Location | None, run_id: str, max_attempts: int, job_name: str, replica_index: int,
+               rank_num_cpus: float) -> None:
         import ray
         import torch
         from clover_batch.model import Engine, kernels, load_model
@@ -216,10 +237,12 @@ class InferStage:
             """On the engine thread: the replica's torch work all happens there (see pipeline/serving.py)."""
             kernels.model_threads(num_threads)
             if model.expert_parallel > 1:
-                from clover_batch.pipeline.expert_parallel import load_replica
+                from clover_batch.pipeline.expert_parallel import group_prefix, load_replica
 
                 self.replica = load_replica(model.local(), expert_parallel=model.expert_parallel, dtype=model.dtype,
                                             device=device, num_threads=max(1, num_threads),
+                                            num_cpus_per_rank=rank_num_cpus,
+                                            group_prefix=f"{group_prefix(run_id)}{replica_index}-",
                                             num_gpus_per_rank=1.0 if device == "cuda" else 0.0,
                                             max_restarts=EP_MAX_RESTARTS, overrides=model.overrides)
                 self.model = self.replica.model
@@ -270,6 +293,11 @@ class InferStage:
     async def load(self) -> int:
         """Documents in this replica now (submitted to its engine loop, result not back yet)."""
         return self.loop.in_loop
+
+    async def health(self):
+        """The engine loop's state and step count (pipeline.serving.EngineHealth), for the run's stall watchdog;
+        answered on the actor's event loop, so a stuck engine thread still answers."""
+        return self.loop.health()
 
     async def infer(self, batch: pa.Table) -> pa.Table:
         """The batch's rows with their answers (or their failure); fails when the replica itself is broken."""
@@ -334,8 +362,10 @@ def crashed_message(attempts: list[Attempt], max_attempts: int) -> str:
 class PostprocessStage:
     """Output ids -> text; extraction answers parsed and checked; run metadata stamped on every row."""
 
-    def __init__(self, model: ModelRef, task: TaskRef, job_name: str, run_id: str):
+    def __init__(self, model: ModelRef, task: TaskRef, job_name: str, run_id: str,
+                 progress: ProgressNote = NO_PROGRESS):
         self.model, self.task, self.job_name, self.run_id = model, task, job_name, run_id
+        self.progress = progress
         self._builder: PromptBuilder | None = None
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -354,6 +384,7 @@ class PostprocessStage:
                     row["output_json"] = checked.output_json
                     if checked.error:
                         row.update(status="invalid_output", error=f"extraction answer refused: {checked.error}")
+        self.progress("postprocess")
         return to_table(rows)
 
 
@@ -364,8 +395,9 @@ class WriteStage:
     into the parts holding the old rows, one part at a time (connectors.sink.swap_in).
     """
 
-    def __init__(self, output: Location, run_id: str):
+    def __init__(self, output: Location, run_id: str, progress: ProgressNote = NO_PROGRESS):
         self.output, self.run_id = output, run_id
+        self.progress = progress
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         start = time.perf_counter()
@@ -382,6 +414,7 @@ class WriteStage:
                 part, staged = write_part(self.output, out, self.run_id), None
             for row in rows.select([n for n in STATS_SCHEMA.names if n in rows.column_names]).to_pylist():
                 stats.append({**row, "part_uri": part, "replacement": staged})
+            self.progress("write")
         seconds = time.perf_counter() - start
         for row in stats:
             row["write_seconds"] = seconds / max(1, len(stats))

@@ -1,7 +1,8 @@
 """Shared fixtures: one local Ray per session, one moto S3 server per session, and real documents made with pymupdf.
 
-Ray starts once (about 4 s) with more logical CPUs than the machine has, so the actor pool (1 CPU) and the cheap
-stages (0.5 CPU each) can run side by side on a 2-core runner. Subprocess tests join this Ray by its address.
+Ray starts once (about 4 s) with the CPUs the machine has, at most 2 (SESSION_CPUS): tests see the shape users
+see, so a job that cannot run beside its replicas hangs or is refused here too (issue 32: a session Ray of 4
+logical CPUs on 2 cores hid such a hang). Subprocess tests join this Ray by its address.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def one_thread():
 
 
 METRICS_PORT: list[int] = []  # the session Ray's Prometheus endpoint, once started
+SESSION_CPUS = min(2, os.cpu_count() or 1)  # the session Ray's CPUs: what the machine has, never more
 
 
 @pytest.fixture(scope="session")
@@ -94,8 +96,9 @@ def ray_session():
     METRICS_PORT.append(_free_port())
     # address="local": a new Ray of our own, never a cluster some other process left in /tmp/ray. Its metrics are
     # exported on 127.0.0.1:METRICS_PORT, each process reporting every second (Ray's default: 10 s).
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             _metrics_export_port=METRICS_PORT[-1], _system_config={"metrics_report_interval_ms": 1000})
+    ray.init(address="local", num_cpus=SESSION_CPUS, include_dashboard=False, log_to_driver=False,
+             configure_logging=False, _metrics_export_port=METRICS_PORT[-1],
+             _system_config={"metrics_report_interval_ms": 1000})
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

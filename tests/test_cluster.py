@@ -23,7 +23,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from clover_batch.connectors.fs import Location
 from clover_batch.connectors.sink import read_output
-from conftest import _free_port, assert_clean_ray_output, requires_engine, write_job
+from conftest import SESSION_CPUS, _free_port, assert_clean_ray_output, requires_engine, write_job
 
 pytestmark = requires_engine
 
@@ -68,7 +68,8 @@ def _private_tmp():
 
 @contextlib.contextmanager
 def ray_head(tmp: str):
-    """`ray start --head --node-ip-address 127.0.0.1` on free ports; yields (GCS port, Ray Client port)."""
+    """`ray start --head --node-ip-address 127.0.0.1` on free ports, of the machine's CPUs (at most 2, as the session's
+    Ray); yields (GCS port, Ray Client port)."""
     gcs, client = _free_port(), _free_port()
     # A Ray Client session starts its own server process on the head, given 30 s by default to come up: short
     # on a loaded 2-core CI runner.
@@ -76,7 +77,7 @@ def ray_head(tmp: str):
            "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "60"}
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address",
-           "127.0.0.1", "--port", str(gcs), "--ray-client-server-port", str(client), "--num-cpus", "4",
+           "127.0.0.1", "--port", str(gcs), "--ray-client-server-port", str(client), "--num-cpus", str(SESSION_CPUS),
            "--include-dashboard=false", "--disable-usage-stats"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)

@@ -284,6 +284,43 @@ def test_engine_loop_builds_its_engine_on_its_own_thread_and_raises_a_build_erro
         EngineLoop(broken)
 
 
+def test_engine_loop_health_counts_steps_and_answers_while_the_engine_thread_is_stuck(models):
+    """health() is what the stall watchdog asks a replica: the steps finished, the documents held, and the engine
+    thread's state, read without waiting for that thread, even while it is stuck inside a step."""
+    import threading
+    import time
+
+    from clover_batch.connectors.faults import hook
+
+    options = DecodeOptions(max_new_tokens=6, tokens_per_step=2)
+    loop = EngineLoop(Engine(models["tiny"], options, max_slots=2))
+    time.sleep(0.2)
+    idle = loop.health()
+    assert (idle.state, idle.steps, idle.holding) == ("waiting for work", 0, 0)
+    got = asyncio.run(loop.submit(PROMPTS["a"]))
+    done = loop.health()
+    assert done.steps == got.forward_passes > 0 and done.holding == 0
+
+    stuck, release = threading.Event(), threading.Event()
+
+    def hang() -> None:  # the engine thread, before its next step
+        stuck.set()
+        release.wait(30)
+
+    async def while_stuck():
+        task = asyncio.ensure_future(loop.submit(PROMPTS["c"]))
+        while not stuck.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        seen = loop.health()  # answered at once, the engine thread still inside hang()
+        release.set()
+        return seen, await task
+
+    with hook("engine_step", hang):
+        seen, _ = asyncio.run(while_stuck())
+    assert (seen.state, seen.steps, seen.holding) == ("stepping", done.steps, 1) and seen.state_seconds >= 0.3
+
+
 @pytest.mark.parametrize("mode", ["threshold", "fixed-k3", "sampling", "logits-shift", "clover-k3",
                                   "clover-penalties"])
 def test_merged_commits_equal_separate_commits(models, mode):

@@ -12,6 +12,7 @@ import pytest
 from clover_batch.connectors.fs import Location
 from clover_batch.connectors.sink import OutputConflict, committed_parts, read_output
 from clover_batch.jobs.cli import app
+from clover_batch.jobs.resources import PlanRefused
 from clover_batch.jobs.runner import run
 from clover_batch.jobs.spec import parse_job
 from clover_batch.model import generate, load_model
@@ -145,10 +146,13 @@ def test_extract_task_checks_answers(ray_session, tmp_path):
 
 
 def test_replica_bigger_than_the_cluster_is_a_clear_error(ray_session, tmp_path):
+    """The session's Ray was joined (it might grow): run.startup_timeout_s 0 refuses at once instead of waiting."""
     docs = tmp_path / "docs"
     write_good_docs(docs)
-    spec = parse_job(job_raw(str(docs), str(tmp_path / "out"), resources={"gpus_per_replica": 1}))
-    with pytest.raises(ValueError, match=r"resources: 1 GPU per replica, the cluster has 0"):
+    spec = parse_job(job_raw(str(docs), str(tmp_path / "out"), resources={"gpus_per_replica": 1},
+                             run={"startup_timeout_s": 0}))
+    with pytest.raises(PlanRefused, match=r"resources: the job needs 1 GPU \(resources.replicas 1 x "
+                                          r"\(resources.gpus_per_replica 1\)\) and the cluster has 0 GPU"):
         run(spec)
     assert read_output(Location(str(tmp_path / "out"))) is None
 
