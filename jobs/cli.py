@@ -394,19 +394,17 @@ def parse(
     sys.stdout.write(p.text)
     sys.stdout.flush()
     pages = "" if p.pages is None else f", {p.pages} page" + ("s" if p.pages != 1 else "")
-    sources = f" ({describe_page_sources(p.page_sources)})" if p.page_sources else ""
+    sources = f"; pages: {describe_page_sources(p.page_sources)}" if p.page_sources else ""
     err_console.print(
-        f"{file}: ok ({p.format}{pages}; text from {p.text_source}{sources}; pdf_text={settings.pdf_text}, "
-        f"ocr={settings.ocr}; {len(p.text)} characters in {result.seconds:.2f} s)",
+        f"{file}: ok ({p.format}{pages}; text from {p.text_source}; pdf_text={settings.pdf_text}, "
+        f"ocr={settings.ocr}; {len(p.text)} characters in {result.seconds:.2f} s{sources})",
         markup=False, highlight=False, soft_wrap=True)
 
 
 def describe_page_sources(sources: dict[str, int] | None) -> str:
-    """'2000 pages: 1950 markdown, 50 plain_fallback': the page_sources counts that are not zero."""
-    if not sources:
-        return ""
-    counts = ", ".join(f"{n} {name}" for name, n in sources.items() if n)
-    return f"{sum(sources.values())} pages: {counts}" if counts else "no pages"
+    """'1950 markdown, 50 plain_fallback': the page_sources counts that are not zero (how each page's text was
+    obtained)."""
+    return ", ".join(f"{n} {name}" for name, n in (sources or {}).items() if n)
 
 
 def main() -> None:

@@ -110,7 +110,8 @@ def parse_document(uri: str, data: bytes, *, fallback_encoding: str | None = Non
     if not data:
         return Parsed(fmt, "empty", "the file is empty (0 bytes)")
     if fmt == "pdf":
-        return parse_pdf(data, max_pages, pdf_text=pdf_text, ocr=ocr, pages_per_task=pages_per_task)
+        return _parse_paged("pdf", data, max_pages, pdf_text=pdf_text, ocr=ocr, pages_per_task=pages_per_task,
+                            name=uri)
     if fmt in ("text", "markdown"):
         return _parse_text(fmt, data, fallback_encoding)
     from clover_batch.pipeline import formats  # python-docx and trafilatura: only where these formats are parsed
@@ -122,7 +123,8 @@ def parse_document(uri: str, data: bytes, *, fallback_encoding: str | None = Non
         return refused
     if fmt == "docx":
         return formats.parse_docx(data)
-    return parse_ebook(fmt, data, max_pages, pdf_text=pdf_text, pages_per_task=pages_per_task)
+    return _parse_paged(fmt, data, max_pages, pdf_text=pdf_text, ocr="never", pages_per_task=pages_per_task,
+                        name=uri)
 
 
 def looks_binary(data: bytes) -> bool:
@@ -364,7 +366,7 @@ def join_ranges(fmt: str, count: int, ranges: list[RangeText], *, ocr: str = "au
 
 
 def _parse_paged(fmt: str, data: bytes, max_pages: int | None, *, pdf_text: str, ocr: str,
-                 pages_per_task: int | None) -> Parsed:
+                 pages_per_task: int | None, name: str = "") -> Parsed:
     opened = _open_paged(fmt, data, max_pages)
     if isinstance(opened, Parsed):
         return opened
@@ -372,7 +374,7 @@ def _parse_paged(fmt: str, data: bytes, max_pages: int | None, *, pdf_text: str,
     with doc:
         if pages_per_task is not None and count > pages_per_task:
             return Parsed(fmt, SPLIT, pages=count)
-        got = _range_text(doc, fmt, 0, count, pdf_text=pdf_text, ocr=ocr, whole=True) if count else None
+        got = _range_text(doc, fmt, 0, count, pdf_text=pdf_text, ocr=ocr, whole=True, name=name) if count else None
     if isinstance(got, Parsed):
         return dataclasses.replace(got, pages=count)
     return join_ranges(fmt, count, [got] if got else [], ocr=ocr)
