@@ -11,6 +11,9 @@ Formats (by extension): PDF (`.pdf`), Word (`.docx`), HTML (`.html`, `.htm`, `.x
   `ocr` (only recognised text) or `mixed` (both); None when no text came out.
 - DOCX and HTML are converted to Markdown by pipeline/formats.py (python-docx; trafilatura's main-text extraction).
 - Everything but plain text and Markdown runs in a child process under a time limit (pipeline/parse_process.py).
+- A PDF, EPUB or XPS is parsed as one or more page ranges (`parse_range`; the pipeline makes a long document's ranges
+  Ray tasks, pipeline/page_ranges.py), joined by `join_ranges` into what one parse of all its pages gives;
+  `Parsed.page_sources` counts its pages by how their text was obtained (PAGE_SOURCES).
 
 Statuses (the `status` column; `ok` when text came out):
     empty               zero-byte file
@@ -24,8 +27,11 @@ Statuses (the `status` column; `ok` when text came out):
                         and return a partial text, which we refuse to summarize as if it were whole)
     encrypted           the PDF (or EPUB, XPS) needs a password
     too_many_pages      more pages than `input.max_pages` (checked before any text is extracted or recognised)
-    parse_timeout       parsing ran past `input.parse_timeout_s` (pipeline/parse_process.py stops the parser)
-    parse_crashed       the parser process died on the document (a MuPDF crash, or killed for memory)
+    parse_timeout       parsing ran past `input.parse_timeout_s` (pipeline/parse_process.py stops the parser); for
+                        a PDF, EPUB or XPS: one page range (or the short document) did, in Markdown and again as
+                        plain text (pipeline/page_ranges.py)
+    parse_crashed       the parser process died on the document or page range (a MuPDF crash, or killed for
+                        memory); for a PDF, EPUB or XPS range: in Markdown and again as plain text
     no_text             no text came out: PDF pages with no text layer and none recognised (or `ocr="never"`), a
                         DOCX or HTML page with no text, a text file that is only whitespace
     binary              a .txt/.md/.html whose bytes are not text (NUL bytes or mostly control characters)
@@ -35,7 +41,7 @@ Statuses (the `status` column; `ok` when text came out):
                         as its BOM or `<meta charset>` says, when it says.)
 
 Text is cleaned of lone surrogates (U+FFFD instead), so every `ok` text is valid UTF-8 for Arrow and the tokenizer.
-`parse_document` parses in this process; the pipeline goes through pipeline/parse_process.py.
+`parse_document` parses in this process; the pipeline goes through pipeline/page_ranges.py and parse_process.py.
 """
 
 from __future__ import annotations

@@ -190,8 +190,10 @@ def test_a_2000_page_book_parses_under_the_default_settings(tmp_path):
     settings (Markdown, OCR auto, parse_timeout_s=300, pages_per_task=50) on a Ray of 2 CPUs: `ok`, its text the
     page-by-page parse joined in order, its tables Markdown rows."""
     import hashlib
+    from concurrent.futures import ProcessPoolExecutor
 
     from clover_batch.pipeline.parse import join_ranges
+    from clover_batch.pipeline.parse_process import layout_threads
 
     book = book_pdf(2000)
     (tmp_path / "book.pdf").write_bytes(book)
@@ -199,6 +201,12 @@ def test_a_2000_page_book_parses_under_the_default_settings(tmp_path):
     assert (got["status"], got["pages"], got["page_sources"]["markdown"]) == ("ok", 2000, 2000), got["error"]
     assert len(got["table_rows"]) == 39 * (5 + 3)  # see the 101-page test
     assert all(row.startswith("|") and row.endswith("|") for row in got["table_rows"])
-    pages = [parse_range("pdf", book, n, n + 1, ocr="auto") for n in range(2000)]
+    with ProcessPoolExecutor(max_workers=min(2, os.cpu_count() or 1), initializer=layout_threads,
+                             initargs=(1,)) as pool:
+        pages = list(pool.map(_one_page, [book] * 2000, range(2000), chunksize=50))
     want = join_ranges("pdf", 2000, pages).text
     assert got["text_sha"] == hashlib.sha256(want.encode()).hexdigest()
+
+
+def _one_page(data: bytes, n: int):
+    return parse_range("pdf", data, n, n + 1, ocr="auto")
