@@ -65,12 +65,13 @@ class InputSpec(_Strict):
         "its limits are input.max_pages and input.max_input_tokens. The run goes on.",
     )
     pages_per_task: int = Field(
-        default=50,
+        default=25,
         gt=0,
         description="A PDF, EPUB or XPS with more pages than this is parsed as page ranges of this many pages, each "
         "a Ray task in its own parse process on whichever node has a free CPU, then joined in page order (the text "
-        "is the same as one parse of the whole document). 50 pages cost 10-25 s of Markdown layout; a range's own "
-        "overhead is under a second (see the README's 'What it costs').",
+        "is the same as one parse of the whole document). 25 pages cost 8-10 s of Markdown layout on an idle core and "
+        "up to ~2 minutes of OCR if they are all scans; a range's own overhead is a fraction of a second (see the "
+        "README's 'What it costs').",
     )
     max_pages: int = Field(
         default=10_000,

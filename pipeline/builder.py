@@ -62,7 +62,7 @@ class PipelineOptions:
     max_pages: int | None = None  # PDFs (EPUB, XPS) with more pages get `too_many_pages`
     pdf_text: str = "markdown"  # markdown | plain: how PDF, EPUB and XPS pages become text
     ocr: str = "auto"  # auto | always | never: OCR of PDF pages without a usable text layer
-    pages_per_task: int = 50  # longer PDFs (EPUB, XPS) are parsed as page ranges of this many pages
+    pages_per_task: int = 25  # longer PDFs (EPUB, XPS) are parsed as page ranges of this many pages
     prep_batch_size: int = 4  # documents per read/parse/tokenize task call
     prep_num_cpus: float = 0.5  # CPU share of one read/parse/tokenize task
     prep_concurrency: int | None = None  # most cheap-stage tasks at once; None: 2 per replica

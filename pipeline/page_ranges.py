@@ -36,9 +36,11 @@ from clover_batch.pipeline.parse_process import STARTUP_TIMEOUT_S, parse_isolate
 
 log = logging.getLogger(__name__)
 
-# Default input.pages_per_task: bench/parse_formats.py --ranges measures the cost of a range (sending the bytes,
-# opening the document again, the model's first page) against a page's Markdown, see README "What it costs".
-PAGES_PER_TASK = 50
+# Default input.pages_per_task. A range costs a fraction of a second beyond its pages (sending the bytes, opening
+# the document again: bench/parse_formats.py --long-only), against 0.3 s or more per Markdown page, so 25 pages
+# keep that under a few percent. Smaller ranges spread a 100-page document over 4 CPUs, and leave a fully scanned
+# range (OCR: ~5 s a page on one core, 125 s) well inside input.parse_timeout_s (300 s); 50 would take 250 s.
+PAGES_PER_TASK = 25
 MAX_IN_FLIGHT = 16  # most ranges of one document submitted at once (more CPUs than this: other documents use them)
 WAIT_S = 5.0  # one ray.wait; between waits the stall bound is checked
 

@@ -152,12 +152,12 @@ def _ray_parse(files: list[Path], options: dict, env: dict | None = None, timeou
 
 
 def test_on_ray_with_2_cpus_a_long_pdf_is_parsed_in_ranges_and_joined_with_one_row_per_document(tmp_path):
-    """The read and parse stages as Ray Data tasks on a Ray of 2 CPUs, default settings: a 101-page book (three
-    ranges of input.pages_per_task=50) beside a short PDF. Each document is one row; the book's text is
+    """The read and parse stages as Ray Data tasks on a Ray of 2 CPUs, default settings: a 101-page book (five
+    ranges of input.pages_per_task=25) beside a short PDF. Each document is one row; the book's text is
     pymupdf4llm's whole-book text."""
     import hashlib
 
-    assert PAGES_PER_TASK == 50
+    assert PAGES_PER_TASK == 25
     book = book_pdf(101, table_every=20)
     (tmp_path / "book.pdf").write_bytes(book)
     (tmp_path / "short.pdf").write_bytes(book_pdf(2, seed=1))
@@ -187,7 +187,7 @@ def test_on_ray_a_range_that_hangs_in_markdown_is_plain_text_in_the_documents_on
 @pytest.mark.skipif(not os.environ.get("CLOVER_LONG_DOCS"), reason="minutes of layout analysis: CLOVER_LONG_DOCS=1")
 def test_a_2000_page_book_parses_under_the_default_settings(tmp_path):
     """Issue 33's must-show: 2,000 pages of headings, paragraphs and a table every 50 pages, the default job
-    settings (Markdown, OCR auto, parse_timeout_s=300, pages_per_task=50) on a Ray of 2 CPUs: `ok`, its text the
+    settings (Markdown, OCR auto, parse_timeout_s=300, pages_per_task=25) on a Ray of 2 CPUs: `ok`, its text the
     page-by-page parse joined in order, its tables Markdown rows."""
     import hashlib
     from concurrent.futures import ProcessPoolExecutor
