@@ -210,3 +210,18 @@ def test_a_2000_page_book_parses_under_the_default_settings(tmp_path):
 
 def _one_page(data: bytes, n: int):
     return parse_range("pdf", data, n, n + 1, ocr="auto")
+
+
+def test_parse_command_prints_the_page_sources(tmp_path, faults):
+    """`clover-batch parse FILE` says on stderr how many pages came from each method; here a crash in Markdown
+    (fault injection) makes the short document's pages plain text as a fallback."""
+    from clover_batch.jobs.cli import app
+    from typer.testing import CliRunner
+
+    path = tmp_path / "cli.pdf"
+    path.write_bytes(book_pdf(3))
+    faults("markdown_crash:cli.pdf#pages=1-3")
+    result = CliRunner().invoke(app, ["parse", str(path)])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == plain_pages(path.read_bytes(), 0, 3)
+    assert result.stderr.rstrip().endswith("; pages: 3 plain_fallback)")
