@@ -208,10 +208,6 @@ class RangeText:
     ocr_read: int = 0  # pages OCR ran on
     layer: bool = False  # some of its text is the file's own text layer (not OCR)
 
-    @property
-    def label(self) -> str:
-        return f"pages {self.first + 1}-{self.stop}"
-
 
 def _open_paged(fmt: str, data: bytes, max_pages: int | None) -> tuple[pymupdf.Document, int] | Parsed:
     """The opened document and its page count, or the status saying why not (the checks before any text)."""
