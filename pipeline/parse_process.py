@@ -20,8 +20,9 @@ document of its batch. So PDF, DOCX, HTML, EPUB and XPS documents are parsed in 
   pipeline/page_ranges.py), each under its own time limit.
 - The child runs the layout model (pymupdf4llm's ONNX sessions) on `LAYOUT_THREADS_ENV` threads, one by default:
   a child serves one worker, and parallelism comes from workers and page ranges. onnxruntime's default (a thread
-  per core) made a page 1.5-1.8x slower on a shared 2-core machine and cost twice the CPU (bench/parse_formats.py
-  measures both); the text is the same (tests/test_page_ranges.py).
+  per core in every child) has each worker's threads compete with the other workers' for the same cores
+  (bench/parse_formats.py --long-only measures the two paths side by side); the text is the same
+  (tests/test_page_ranges.py).
 
 Text and Markdown files are not sent to the child: decoding them is our own linear-time code (pipeline/parse.py),
 and there is nothing in it to hang.
@@ -95,8 +96,8 @@ def _write_blocking(fd: int, data: bytes) -> None:
 
 
 def serve(request_fd: int, reply_fd: int) -> None:
-    """The child's loop: read a request (JSON header, then the document's bytes), parse, reply with the Parsed as
-    JSON."""
+    """The child's loop: read a request (JSON header, then the document's bytes), parse the document (or the page
+    range the header names), reply with the Parsed (or RangeText) as JSON."""
     _die_with_parent()
     layout_threads(int(os.environ.get(LAYOUT_THREADS_ENV, LAYOUT_THREADS)))
     import docx  # noqa: F401  (imported before the first document: its time limit is for parsing)
