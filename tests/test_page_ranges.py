@@ -225,3 +225,17 @@ def test_parse_command_prints_the_page_sources(tmp_path, faults):
     assert result.exit_code == 0, result.stderr
     assert result.stdout == plain_pages(path.read_bytes(), 0, 3)
     assert result.stderr.rstrip().endswith("; pages: 3 plain_fallback)")
+
+
+def test_an_epub_in_ranges_equals_the_whole_epub():
+    """EPUB pages are MuPDF's layout of the book: the same pages in every range's child, the same join."""
+    from hostile_docs import make_epub
+
+    data = make_epub([(f"Chapter {i}", " ".join([f"Words of chapter number {i}."] * 200)) for i in range(4)])
+    count = pymupdf.open(stream=data, filetype="epub").page_count
+    assert count > 4
+    whole = parse_document("book.epub", data, timeout_s=300, pages_per_task=None)
+    got = parse_ranges("book.epub", data, count, timeout_s=300, pages_per_task=2, use_ray=False)
+    assert (whole.status, got.status, got.format) == ("ok", "ok", "epub")
+    assert got.text == whole.text and got.text.startswith("# **Chapter 0**")
+    assert got.page_sources == {"markdown": count, "plain": 0, "ocr": 0, "plain_fallback": 0}
