@@ -24,6 +24,22 @@ document's parse time is a warm worker's (the parse child's start and model load
 
     python bench/parse_formats.py                       # about 5 minutes on an idle 2-core machine
     python bench/parse_formats.py --pages 40 --scan-pages 8 --repeats 5
+
+Long documents (issue 33; `--long-only` runs only these, `--long-pages 1000` is the issue's measure):
+
+- before vs after, pages per second of one worker, default settings (Markdown, OCR auto), on a text-heavy PDF of
+  --long-pages pages (a manual: headings and dense paragraphs) and on the multipage PDF (text and tables). Before
+  is the code path that parsing had: in a fresh process with onnxruntime's default threads, the OCR pass, then
+  pymupdf4llm's one `to_markdown` call over the document (parse.markdown_reference), after a warm-up page. After
+  is today's parse child (one layout thread, parse.markdown_pieces, whole document in one child). The two
+  alternate, --repeats times; the texts are compared (equal, and the same Markdown table rows).
+- range overhead: one worker parsing a --range-pages document as ranges of k pages one after another
+  (page_ranges.parse_ranges without Ray): what a range costs beyond its pages (k = all pages is the baseline).
+- wall time of the long PDF as ranges of input.pages_per_task on a Ray of 1 and of 2 CPUs (each its own Ray,
+  started in a subprocess; range tasks of 1 CPU, so 1 and 2 parse at once; warmed up first).
+
+    python bench/parse_formats.py --long-only --long-pages 1000 --repeats 1   # ~25 min on an idle 2-core machine
+    python bench/parse_formats.py --long-only --long-pages 100 --range-pages 40 --repeats 1   # ~5 min
 """
 
 from __future__ import annotations
@@ -103,6 +119,170 @@ def time_modes(parser: IsolatedParser, corpus: list[tuple[str, bytes]], repeats:
     return {m: (statistics.median(t), pages) for m, t in runs.items()}
 
 
+def text_pdf(pages: int, seed: int = 0) -> bytes:
+    """A manual's pages: a section heading and dense paragraphs filling the page, no tables or pictures."""
+    rng = random.Random(seed)
+    doc = pymupdf.open()
+    for n in range(pages):
+        page = doc.new_page()
+        page.insert_text((50, 60), f"{n // 10 + 1}.{n % 10 + 1} Configuring the service", fontsize=14)
+        y = 80
+        for _ in range(3):
+            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(110, 140))) + "."
+            rect = pymupdf.Rect(50, y, 550, y + 230)
+            left = page.insert_textbox(rect, text, fontsize=10)
+            y = rect.y1 - max(left, 0) + 14
+    return doc.tobytes(garbage=3, deflate=True)
+
+
+def reference_worker(path: str, repeats: int) -> None:
+    """(Subprocess) the code path parsing had before page ranges, timed after a warm-up page: prints one JSON line
+    {seconds: [...], sha, table_rows}."""
+    import hashlib
+    import json
+
+    from clover_batch.pipeline.ocr import Recogniser, recognise_document
+    from clover_batch.pipeline.parse import clean, markdown_reference
+
+    data = Path(path).read_bytes()
+    recogniser = Recogniser()
+    warm = pymupdf.open(stream=first_page(data))
+    recognise_document(warm, "auto", recogniser)
+    markdown_reference(warm)
+    seconds, text = [], ""
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with pymupdf.open(stream=data, filetype="pdf") as doc:
+            recognise_document(doc, "auto", recogniser)
+            [page.get_text() for page in doc]
+            text = clean(markdown_reference(doc).strip())
+        seconds.append(time.perf_counter() - start)
+    print(json.dumps({"seconds": seconds, "sha": hashlib.sha256(text.encode()).hexdigest(),
+                      "table_rows": sum(line.startswith("|") for line in text.splitlines())}))
+
+
+def before_after(corpus: dict[str, bytes], repeats: int, workdir: Path) -> list[tuple]:
+    """(document, pages, before s, after s, same text, table rows before, after): medians, sides alternating."""
+    import hashlib
+    import json
+    import subprocess
+
+    parser = IsolatedParser()
+    out = []
+    try:
+        for name, data in corpus.items():
+            path = workdir / f"{name}.pdf"
+            path.write_bytes(data)
+            parser.parse("warm.pdf", first_page(data), timeout_s=3600)
+            before, after, text, ref = [], [], "", {}
+            for _ in range(repeats):
+                proc = subprocess.run([sys.executable, __file__, "--reference-worker", str(path)], check=True,
+                                      capture_output=True, text=True, env={**os.environ, "CLOVER_LAYOUT_THREADS": "0"})
+                ref = json.loads(proc.stdout.strip().splitlines()[-1])
+                before += ref["seconds"]
+                start = time.perf_counter()
+                parsed = parser.parse(f"{name}.pdf", data, timeout_s=3600)
+                after.append(time.perf_counter() - start)
+                if parsed.status != "ok":
+                    raise RuntimeError(f"{name}: {parsed.status}: {parsed.error}")
+                text = parsed.text
+            rows = sum(line.startswith("|") for line in text.splitlines())
+            same = hashlib.sha256(text.encode()).hexdigest() == ref["sha"]
+            out.append((name, pymupdf.open(stream=data).page_count, statistics.median(before),
+                        statistics.median(after), same, ref["table_rows"], rows))
+    finally:
+        parser.close()
+    return out
+
+
+def range_overhead(data: bytes, sizes: list[int]) -> list[tuple[int, int, float]]:
+    """(pages per range, ranges, seconds) of one worker parsing `data` as ranges one after another."""
+    from clover_batch.pipeline.page_ranges import page_ranges, parse_ranges
+    from clover_batch.pipeline.parse_process import shared_parser
+
+    count = pymupdf.open(stream=data).page_count
+    shared_parser().parse("warm.pdf", first_page(data), timeout_s=3600)
+    out = []
+    for k in sizes:
+        start = time.perf_counter()
+        parsed = parse_ranges("doc.pdf", data, count, timeout_s=3600, pages_per_task=k, use_ray=False)
+        if parsed.status != "ok":
+            raise RuntimeError(f"ranges of {k}: {parsed.status}: {parsed.error}")
+        out.append((k, len(page_ranges(count, k)), time.perf_counter() - start))
+    shared_parser().close()
+    return out
+
+
+def ray_worker(path: str, cpus: int, pages_per_task: int) -> None:
+    """(Subprocess) wall seconds of one document parsed as ranges on a Ray of `cpus` CPUs: prints JSON."""
+    import json
+
+    import ray
+    from clover_batch.pipeline.page_ranges import parse_ranges
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+             logging_level=logging.ERROR)
+    data = Path(path).read_bytes()
+    count = pymupdf.open(stream=data).page_count
+    warm = first_page(data)  # every worker's parse child started and its models loaded
+    parse_ranges("warm.pdf", warm, 1, timeout_s=3600, range_cpus=1.0, use_ray=True)
+    two = pymupdf.open(stream=data)
+    two.select(list(range(min(count, 2 * cpus))))
+    parse_ranges("warm.pdf", two.tobytes(), two.page_count, timeout_s=3600, pages_per_task=1, range_cpus=1.0,
+                 use_ray=True)
+    start = time.perf_counter()
+    parsed = parse_ranges("doc.pdf", data, count, timeout_s=3600, pages_per_task=pages_per_task, range_cpus=1.0,
+                          use_ray=True)
+    wall = time.perf_counter() - start
+    ray.shutdown()
+    print(json.dumps({"wall": wall, "status": parsed.status, "error": parsed.error}))
+
+
+def workers_wall(data: bytes, workdir: Path, pages_per_task: int) -> dict[int, float]:
+    import json
+    import subprocess
+
+    path = workdir / "long.pdf"
+    path.write_bytes(data)
+    out = {}
+    for cpus in (1, 2):
+        proc = subprocess.run([sys.executable, __file__, "--ray-worker", str(path), str(cpus), str(pages_per_task)],
+                              check=True, capture_output=True, text=True)
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        if got["status"] != "ok":
+            raise RuntimeError(f"{cpus} CPUs: {got['status']}: {got['error']}")
+        out[cpus] = got["wall"]
+    return out
+
+
+def long_documents(args: argparse.Namespace) -> None:
+    from clover_batch.pipeline.page_ranges import PAGES_PER_TASK
+
+    long_pdf = text_pdf(args.long_pages)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = before_after({f"text-heavy ({args.long_pages} p.)": long_pdf,
+                             f"text+tables ({args.pages} p.)": multipage_pdf(args.pages)}, args.repeats, Path(tmp))
+        print("\ndefault parsing (Markdown, OCR auto), pages per second of one worker: before (one pymupdf4llm call, "
+              "onnxruntime's threads) vs after")
+        print(f"{'document':24s}{'before':>9s}{'after':>9s}{'after/before':>14s}{'same text':>11s}{'table rows':>12s}")
+        for name, pages, before, after, same, rows_before, rows_after in rows:
+            print(f"{name:24s}{pages / before:9.2f}{pages / after:9.2f}{before / after:13.2f}x{same!s:>11s}"
+                  f"{f'{rows_before} / {rows_after}':>12s}")
+        sizes = sorted({5, 10, 20, args.range_pages} & set(range(1, args.range_pages + 1)))
+        overhead = range_overhead(text_pdf(args.range_pages, seed=1), sizes)
+        base = overhead[-1][2]
+        print(f"\none worker, a {args.range_pages}-page text-heavy PDF as ranges of k pages one after another")
+        print(f"{'k':>5s}{'ranges':>8s}{'seconds':>9s}{'s per extra range':>19s}")
+        for k, n, seconds in overhead:
+            extra = "-" if n == 1 else f"{(seconds - base) / (n - 1):.2f}"
+            print(f"{k:5d}{n:8d}{seconds:9.1f}{extra:>19s}")
+        walls = workers_wall(long_pdf, Path(tmp), PAGES_PER_TASK)
+    print(f"\nwall seconds of the {args.long_pages}-page PDF as ranges of {PAGES_PER_TASK} pages: 1 worker "
+          f"{walls[1]:.1f}, 2 workers {walls[2]:.1f} ({walls[2] / walls[1]:.2f}x of 1)")
+    print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
 def first_page(data: bytes) -> bytes:
     doc = pymupdf.open(stream=data)
     doc.select([0])
@@ -158,7 +338,21 @@ def main() -> None:
     ap.add_argument("--scan-pages", type=int, default=3, help="pages of the scanned PDF")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-job", action="store_true", help="skip the end-to-end share on the demo model")
+    ap.add_argument("--long-pages", type=int, default=1000, help="pages of the text-heavy PDF")
+    ap.add_argument("--range-pages", type=int, default=100, help="pages of the range-overhead PDF")
+    ap.add_argument("--long-only", action="store_true", help="only the long-document measures")
+    ap.add_argument("--reference-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--ray-worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.reference_worker:
+        return reference_worker(args.reference_worker, 1)
+    if args.ray_worker:
+        path, cpus, per_task = args.ray_worker
+        return ray_worker(path, int(cpus), int(per_task))
+    print(f"python {sys.version.split()[0]}, pymupdf {pymupdf.__version__}, {os.cpu_count()} CPUs, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.long_only:
+        return long_documents(args)
 
     multipage = multipage_pdf(args.pages)
     scan = scanned(multipage, args.scan_pages)
@@ -167,8 +361,6 @@ def main() -> None:
         f"multipage ({args.pages} p.)": [("multipage.pdf", multipage)],
         f"scanned ({args.scan_pages} p.)": [("scanned.pdf", scan)],
     }
-    print(f"python {sys.version.split()[0]}, pymupdf {pymupdf.__version__}, {os.cpu_count()} CPUs, "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     parser = IsolatedParser()
     try:
         for corpus in corpora.values():  # warm-up: layout and OCR models loaded once, as in a worker
@@ -185,6 +377,7 @@ def main() -> None:
     print("(scanned: plain and markdown do no OCR, so their rate is that of the no_text answer; plain+auto and "
           "default are the OCR rates)")
 
+    long_documents(args)
     if args.no_job:
         return
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,6 +18,9 @@ stepping with documents inside, for the stall watchdog's tests).
 - `read_denied:<text>`: reading it raises PermissionError (an infrastructure failure that retries do not fix).
 - `crash_infer:<text>`: the infer actor's process is SIGKILLed when the document enters it (a native crash, or
   the OOM killer).
+- `parse_hang:<text>`, `markdown_hang:<text>`, `markdown_crash:<text>`: a parse child hangs on a page range
+  (in any mode; in Markdown mode only), or SIGKILLs itself in Markdown mode. `<text>` is matched in
+  `<uri>#pages=<first>-<last>` (1-based, inclusive), so `book.pdf#pages=51-100` faults that range only.
 
 In-process tests can also pause a thread at a point with `hook(point, fn)`, to race two runs deterministically.
 """
@@ -131,6 +134,9 @@ def document_fault(action: str, uri: str) -> None:
             continue
         if action == "read_denied":
             raise PermissionError(f"injected fault: access denied to {uri}")
-        if action == "crash_infer":
+        if action in ("crash_infer", "markdown_crash"):
             log.warning("fault injection: process %d crashes on %s", os.getpid(), uri)
             os.kill(os.getpid(), signal.SIGKILL)
+        if action in ("parse_hang", "markdown_hang"):
+            log.warning("fault injection: process %d hangs on %s", os.getpid(), uri)
+            time.sleep(STALL_S)

@@ -317,13 +317,14 @@ def show(
         counts.add_row(status, str(n))
     console.print(counts)
     rows = Table(title="sample rows", show_lines=True)
-    for col in ("source_uri", "status", "in", "out", "output / error"):
+    for col in ("source_uri", "status", "pages", "in", "out", "output / error"):
         rows.add_column(col, overflow="fold")
     for r in summary.samples:
         text = r["output_text"] if r["status"] == "ok" else r["error"]
         rows.add_row(
             r["source_uri"],
             r["status"],
+            describe_page_sources(r.get("page_sources")),
             str(r["input_tokens"] or ""),
             str(r["output_tokens"] or ""),
             (text or "")[:200],
@@ -385,7 +386,7 @@ def parse(
     if job is not None:
         spec = _load(job, None).input
         settings = ParseSettings(spec.storage_options, spec.max_file_bytes, spec.fallback_encoding,
-                                 spec.parse_timeout_s, spec.max_pages, spec.pdf_text, spec.ocr)
+                                 spec.parse_timeout_s, spec.max_pages, spec.pdf_text, spec.ocr, spec.pages_per_task)
     bad = [o for o in option or [] if "=" not in o]
     if bad or (timeout is not None and timeout <= 0):
         why = f"--option must be key=value, not {bad[0]!r}" if bad else "--timeout must be greater than 0"
@@ -405,9 +406,17 @@ def parse(
     sys.stdout.write(p.text)
     sys.stdout.flush()
     pages = "" if p.pages is None else f", {p.pages} page" + ("s" if p.pages != 1 else "")
+    sources = f"; pages: {describe_page_sources(p.page_sources)}" if p.page_sources else ""
     err_console.print(
-        f"{file}: ok ({p.format}{pages}; text from {p.text_source}; pdf_text={settings.pdf_text}, ocr={settings.ocr}; "
-        f"{len(p.text)} characters in {result.seconds:.2f} s)", markup=False, highlight=False, soft_wrap=True)
+        f"{file}: ok ({p.format}{pages}; text from {p.text_source}; pdf_text={settings.pdf_text}, "
+        f"ocr={settings.ocr}; {len(p.text)} characters in {result.seconds:.2f} s{sources})",
+        markup=False, highlight=False, soft_wrap=True)
+
+
+def describe_page_sources(sources: dict[str, int] | None) -> str:
+    """'1950 markdown, 50 plain_fallback': the page_sources counts that are not zero (how each page's text was
+    obtained)."""
+    return ", ".join(f"{n} {name}" for name, n in (sources or {}).items() if n)
 
 
 def main() -> None:

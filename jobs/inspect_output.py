@@ -9,7 +9,8 @@ from typing import Any
 from clover_batch.connectors.fs import Location
 from clover_batch.connectors.sink import committed_parts, read_output
 
-SAMPLE_COLUMNS = ["doc_id", "source_uri", "format", "status", "error", "input_tokens", "output_tokens", "output_text"]
+SAMPLE_COLUMNS = ["doc_id", "source_uri", "format", "status", "error", "input_tokens", "output_tokens", "output_text",
+                  "page_sources"]
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,10 @@ class OutputSummary:
 
 
 def summarize_output(location: Location, samples: int = 2) -> OutputSummary:
-    table = read_output(location, columns=SAMPLE_COLUMNS)
+    try:
+        table = read_output(location, columns=SAMPLE_COLUMNS)
+    except KeyError:  # an output folder written before rows had page_sources
+        table = read_output(location, columns=SAMPLE_COLUMNS[:-1])
     if table is None:
         return OutputSummary(location.uri, 0, 0, {}, [])
     rows = sorted(table.to_pylist(), key=lambda r: (r["status"] != "ok", r["status"], r["source_uri"]))

@@ -1,8 +1,9 @@
 """`clover-batch parse`: one document read and parsed exactly as a run's read and parse stages would.
 
 The bytes come through connectors (local path or URI, `max_file_bytes` checked as the read stage does) and the
-text through the same child process and options as the pipeline's parse stage (pipeline/parse_process.py), so what
-this prints is the text the prompt template is given for that document.
+text through the same child process and options as the pipeline's parse stage (pipeline/parse_process.py, a long
+document's page ranges one after another: pipeline/page_ranges.py), so what this prints is the text the prompt
+template is given for that document.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clover_batch.connectors.fs import read_bytes
+from clover_batch.pipeline.page_ranges import PAGES_PER_TASK, parse_document
 from clover_batch.pipeline.parse import Parsed, document_format
-from clover_batch.pipeline.parse_process import parse_isolated
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class ParseSettings:
     max_pages: int | None = 10_000
     pdf_text: str = "markdown"
     ocr: str = "auto"
+    pages_per_task: int = PAGES_PER_TASK
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,10 @@ def parse_file(uri: str, settings: ParseSettings) -> FileParse:
         parsed = (Parsed(fmt, "too_large", f"{e} (input.max_file_bytes)") if too_large
                   else Parsed(fmt, "read_error", f"cannot read: {type(e).__name__}: {e}"))
     else:
-        parsed = parse_isolated(uri, data, timeout_s=settings.parse_timeout_s,
+        # page ranges one after another in this process's parse child (no Ray here), each under the time limit
+        parsed = parse_document(uri, data, timeout_s=settings.parse_timeout_s,
                                 fallback_encoding=settings.fallback_encoding, max_pages=settings.max_pages,
                                 pdf_text=settings.pdf_text, ocr=settings.ocr,
-                                max_unpacked_bytes=settings.max_file_bytes)
+                                max_unpacked_bytes=settings.max_file_bytes, pages_per_task=settings.pages_per_task,
+                                use_ray=False)
     return FileParse(uri, parsed, time.perf_counter() - start)

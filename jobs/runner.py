@@ -296,6 +296,7 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
         max_pages=spec.input.max_pages,
         pdf_text=spec.input.pdf_text,
         ocr=spec.input.ocr,
+        pages_per_task=spec.input.pages_per_task,
     )
 
 

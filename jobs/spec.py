@@ -56,9 +56,22 @@ class InputSpec(_Strict):
     parse_timeout_s: float = Field(
         default=300,
         gt=0,
-        description="Most seconds one document may take to parse, OCR of its pages included. PDF, DOCX, HTML, EPUB "
-        "and XPS documents are parsed in a child process of the worker; one that runs past this is stopped and the "
-        "document gets status `parse_timeout` (a parser crash gives `parse_crashed`). The run goes on.",
+        description="Most seconds one page range (input.pages_per_task pages) or one shorter document may take to "
+        "parse, OCR of its pages included. PDF, DOCX, HTML, EPUB and XPS documents are parsed in a child process of "
+        "the worker; one that runs past this is stopped. A PDF, EPUB or XPS range (or short document) that runs out "
+        "of time or crashes in Markdown mode is parsed again as plain text (its pages count as `plain_fallback` in "
+        "`page_sources`); failing again gives the document status `parse_timeout` (or `parse_crashed`), naming the "
+        "range. A DOCX or HTML document gets that status at once. A long document is never failed for its length: "
+        "its limits are input.max_pages and input.max_input_tokens. The run goes on.",
+    )
+    pages_per_task: int = Field(
+        default=25,
+        gt=0,
+        description="A PDF, EPUB or XPS with more pages than this is parsed as page ranges of this many pages, each "
+        "a Ray task in its own parse process on whichever node has a free CPU, then joined in page order (the text "
+        "is the same as one parse of the whole document). 25 pages cost 8-10 s of Markdown layout on an idle core and "
+        "up to ~2 minutes of OCR if they are all scans; a range's own overhead is a fraction of a second (see the "
+        "README's 'What it costs').",
     )
     max_pages: int = Field(
         default=10_000,

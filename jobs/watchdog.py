@@ -43,7 +43,7 @@ HEALTH_TIMEOUT_S = 5.0  # a replica's or the board's answer to the watchdog
 STATE_TIMEOUT_S = 5.0  # each ray.util.state call of a diagnosis
 MAX_LISTED = 20  # pending tasks and actors named in a diagnosis (the rest are counted)
 # the order documents go through the stages, for "the stage after the one that last made progress"
-ORDER = ("replica-load", "read", "parse", "tokenize", "infer", "postprocess", "write", "rows")
+ORDER = ("replica-load", "read", "parse-range", "parse", "tokenize", "infer", "postprocess", "write", "rows")
 
 
 class RunStalled(RuntimeError):

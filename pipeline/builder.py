@@ -66,10 +66,11 @@ class PipelineOptions:
     max_file_bytes: int = 256 * 2**20
     max_input_tokens: int = 1_048_576
     fallback_encoding: str | None = None
-    parse_timeout_s: float = 300.0  # per document; past it the parser child is killed (`parse_timeout`)
+    parse_timeout_s: float = 300.0  # per page range; past it the parser child is killed (then plain text is tried)
     max_pages: int | None = None  # PDFs (EPUB, XPS) with more pages get `too_many_pages`
     pdf_text: str = "markdown"  # markdown | plain: how PDF, EPUB and XPS pages become text
     ocr: str = "auto"  # auto | always | never: OCR of PDF pages without a usable text layer
+    pages_per_task: int = 25  # longer PDFs (EPUB, XPS) are parsed as page ranges of this many pages
     prep_batch_size: int = 4  # documents per read/parse/tokenize task call
     prep_num_cpus: float = PREP_NUM_CPUS  # CPU share of one read/parse/tokenize task (the resource plan's)
     prep_concurrency: int | None = None  # most cheap-stage tasks at once; None: 2 per replica
@@ -120,7 +121,8 @@ def build_pipeline(source: ray.data.Dataset, opts: PipelineOptions, replicas: li
     return (
         ds.map_batches(ReadStage(opts.input.storage_options, opts.max_file_bytes, progress), **prep)
         .map_batches(ParseStage(opts.fallback_encoding, opts.parse_timeout_s, opts.max_pages, pdf_text=opts.pdf_text,
-                                ocr=opts.ocr, max_unpacked_bytes=opts.max_file_bytes, progress=progress), **prep)
+                                ocr=opts.ocr, max_unpacked_bytes=opts.max_file_bytes, progress=progress,
+                                pages_per_task=opts.pages_per_task, range_cpus=opts.prep_num_cpus), **prep)
         .map_batches(TokenizeStage(opts.model, opts.task, opts.max_input_tokens, progress), **prep)
         .map_batches(InferCall(replicas, opts.batch_size), batch_size=None, num_cpus=cpus["infer"],
                      compute=infer_tasks, **fmt)

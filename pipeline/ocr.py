@@ -138,19 +138,12 @@ def ocr_page(page: pymupdf.Page, recogniser: Recogniser, *, replace_text: bool, 
     return PageOcr(chars, layer_chars)
 
 
-def recognise_document(doc: pymupdf.Document, mode: str, recogniser: Recogniser) -> list[PageOcr | None]:
-    """Run the OCR decision and recognition over every page of a PDF (changing the pages in memory): per page, in
-    order, what OCR did, or None where it did not run. `never` changes nothing."""
+def recognise_document(doc: pymupdf.Document, mode: str, recogniser: Recogniser,
+                       pages: range | None = None) -> list[PageOcr | None]:
+    """Run the OCR decision and recognition over the pages of a PDF (all, or `pages`), changing them in memory: per
+    page, in order, what OCR did, or None where it did not run. `never` changes nothing."""
+    pages = range(doc.page_count) if pages is None else pages
     if mode == "never":
-        return [None] * doc.page_count
+        return [None] * len(pages)
     return [ocr_page(page, recogniser, replace_text=mode == "always") if mode == "always" or needs_ocr(page) else None
-            for page in doc]
-
-
-def text_source(recognised: list[PageOcr | None], page_texts: list[str]) -> str:
-    """`text` (no recognised text), `ocr` (only recognised text) or `mixed` (both), for a document's pages: a page
-    OCR did not run on contributes its text layer."""
-    ocr = any(r is not None and r.ocr_chars for r in recognised)
-    layer = any(r.layer_chars if r is not None else text.strip()
-                for r, text in zip(recognised, page_texts, strict=True))
-    return "mixed" if ocr and layer else "ocr" if ocr else "text"
+            for page in (doc[n] for n in pages)]

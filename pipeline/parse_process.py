@@ -16,6 +16,13 @@ document of its batch. So PDF, DOCX, HTML, EPUB and XPS documents are parsed in 
   code printing there cannot corrupt it.
 - The child dies with its parent (PR_SET_PDEATHSIG on Linux, and EOF on its request pipe), and runs in its own
   session, so Ctrl-C on the driver does not print its traceback.
+- Besides whole documents, a child parses page ranges of a long PDF, EPUB or XPS (`parse_range`, driven by
+  pipeline/page_ranges.py), each under its own time limit.
+- The child runs the layout model (pymupdf4llm's ONNX sessions) on `LAYOUT_THREADS_ENV` threads, one by default:
+  a child serves one worker, and parallelism comes from workers and page ranges. onnxruntime's default (a thread
+  per core in every child) has each worker's threads compete with the other workers' for the same cores
+  (bench/parse_formats.py --long-only measures the two paths side by side); the text is the same
+  (tests/test_page_ranges.py).
 
 Text and Markdown files are not sent to the child: decoding them is our own linear-time code (pipeline/parse.py),
 and there is nothing in it to hang.
@@ -35,7 +42,14 @@ import threading
 import time
 from dataclasses import asdict
 
-from clover_batch.pipeline.parse import ISOLATED_FORMATS, Parsed, document_format, parse_document
+from clover_batch.pipeline.parse import (
+    ISOLATED_FORMATS,
+    Parsed,
+    RangeText,
+    document_format,
+    parse_document,
+    parse_range,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +57,8 @@ STARTUP_TIMEOUT_S = 120.0  # a busy node can take a while to start Python and im
 _PIPE_BYTES = 1 << 20  # ask Linux for 1 MiB pipes: fewer wake-ups for a large PDF
 _CHILD_CODE = ("import sys; from clover_batch.pipeline.parse_process import serve; "
                "serve(int(sys.argv[1]), int(sys.argv[2]))")
+LAYOUT_THREADS_ENV = "CLOVER_LAYOUT_THREADS"  # onnxruntime threads of the layout model in a parse child (0: its own)
+LAYOUT_THREADS = 1
 
 
 class _Timeout(Exception):
@@ -80,13 +96,15 @@ def _write_blocking(fd: int, data: bytes) -> None:
 
 
 def serve(request_fd: int, reply_fd: int) -> None:
-    """The child's loop: read a request (JSON header, then the document's bytes), parse, reply with the Parsed as
-    JSON."""
+    """The child's loop: read a request (JSON header, then the document's bytes), parse the document (or the page
+    range the header names), reply with the Parsed (or RangeText) as JSON."""
     _die_with_parent()
+    layout_threads(int(os.environ.get(LAYOUT_THREADS_ENV, LAYOUT_THREADS)))
     import docx  # noqa: F401  (imported before the first document: its time limit is for parsing)
+    import pymupdf4llm  # noqa: F401  (loads the layout model)
     import trafilatura  # noqa: F401
 
-    _write_blocking(reply_fd, _header(0))  # ready: pymupdf, python-docx and trafilatura are imported
+    _write_blocking(reply_fd, _header(0))  # ready: pymupdf(4llm), python-docx and trafilatura are imported
     while True:
         size = _read_blocking(request_fd, 8)
         if size is None:
@@ -94,14 +112,39 @@ def serve(request_fd: int, reply_fd: int) -> None:
         header = json.loads(_read_blocking(request_fd, int.from_bytes(size, "big")))
         data = _read_blocking(request_fd, header["size"]) if header["size"] else b""
         uri = header.pop("uri")
+        fmt = document_format(uri)
         try:
-            parsed = parse_document(uri, data, **header["options"])
+            if header.get("op") == "range":
+                parsed = parse_range(fmt, data, header["first"], header["stop"], name=uri, **header["options"])
+            else:
+                parsed = parse_document(uri, data, **header["options"])
         except Exception as e:  # parse_document turns the parsers' errors into statuses; anything else is reported
-            fmt = document_format(uri)
             parsed = Parsed(fmt, "corrupt_pdf" if fmt == "pdf" else "corrupt_file",
                             f"the {fmt.upper()} parser failed: {type(e).__name__}: {e}")
-        reply = json.dumps(asdict(parsed), ensure_ascii=False).encode("utf-8")
+        reply = json.dumps({"kind": type(parsed).__name__, **asdict(parsed)}, ensure_ascii=False).encode("utf-8")
         _write_blocking(reply_fd, _header(len(reply)) + reply)
+
+
+def layout_threads(n: int) -> None:
+    """ONNX sessions made from now on in this process (pymupdf4llm's layout model, made when it is imported) run
+    on `n` intra-op threads; 0 keeps onnxruntime's default. onnxruntime has no setting for this but the session
+    options each session is made with, and pymupdf.layout makes its own, so its SessionOptions class is replaced
+    by one with this default (RapidOCR sets its threads itself)."""
+    if n <= 0:
+        return
+    import onnxruntime
+
+    base = getattr(onnxruntime.SessionOptions, "_clover_base", onnxruntime.SessionOptions)
+
+    class SessionOptions(base):  # type: ignore[misc, valid-type]
+        _clover_base = base
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.intra_op_num_threads = n
+            self.inter_op_num_threads = 1
+
+    onnxruntime.SessionOptions = SessionOptions
 
 
 def _die_with_parent() -> None:
@@ -129,8 +172,9 @@ def _describe_exit(code: int | None) -> str:
 class IsolatedParser:
     """A persistent child process that parses documents, one at a time, each within a time limit."""
 
-    def __init__(self, startup_timeout_s: float = STARTUP_TIMEOUT_S):
+    def __init__(self, startup_timeout_s: float = STARTUP_TIMEOUT_S, env: dict[str, str] | None = None):
         self.startup_timeout_s = startup_timeout_s
+        self.env = env  # the child's environment (None: this process's)
         self._proc: subprocess.Popen | None = None
         self._request_fd = self._reply_fd = -1
         self._lock = threading.Lock()
@@ -152,7 +196,7 @@ class IsolatedParser:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD_CODE, str(request_r), str(reply_w)],
                 pass_fds=(request_r, reply_w), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                start_new_session=True,
+                start_new_session=True, env=self.env,
             )
         finally:
             os.close(request_r)
@@ -219,33 +263,50 @@ class IsolatedParser:
     def _receive(self, deadline: float) -> bytes:
         return self._read(int.from_bytes(self._read(8, deadline), "big"), deadline)
 
-    def parse(self, uri: str, data: bytes, *, timeout_s: float, fallback_encoding: str | None = None,
-              max_pages: int | None = None, pdf_text: str = "markdown", ocr: str = "auto",
-              max_unpacked_bytes: int | None = None) -> Parsed:
-        """`parse_document` in the child (the options are its own); `parse_timeout` / `parse_crashed` when the
-        child does not answer within `timeout_s`."""
-        options = {"fallback_encoding": fallback_encoding, "max_pages": max_pages, "pdf_text": pdf_text, "ocr": ocr,
-                   "max_unpacked_bytes": max_unpacked_bytes}
-        fmt = document_format(uri)
+    def _request(self, header: dict, data: bytes, timeout_s: float, what: str) -> dict | tuple[str, str]:
+        """The child's reply to one request, or (status, message) when it does not answer within `timeout_s`."""
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 if self._proc is not None:  # died between documents (killed from outside): not this one's fault
                     self._stop()
                 self._start()
-            header = json.dumps({"size": len(data), "uri": uri, "options": options}).encode()
+            head = json.dumps({**header, "size": len(data)}).encode()
             deadline = time.monotonic() + timeout_s
             try:
-                self._send(_header(len(header)) + header + data, deadline)
-                reply = json.loads(self._receive(deadline))
+                self._send(_header(len(head)) + head + data, deadline)
+                return json.loads(self._receive(deadline))
             except _Timeout:
                 self._stop()
-                return Parsed(fmt, "parse_timeout", f"parsing took longer than input.parse_timeout_s={timeout_s:g} "
-                              "s; the parser was stopped")
+                return "parse_timeout", (f"parsing {what}took longer than input.parse_timeout_s={timeout_s:g} s; "
+                                         "the parser was stopped")
             except _ChildGone:
                 code = self._stop()
-                return Parsed(fmt, "parse_crashed",
-                              f"the parser process died on this document ({_describe_exit(code)})")
-            return Parsed(**reply)
+                return "parse_crashed", f"the parser process died on {what or 'this document '}({_describe_exit(code)})"
+
+    def parse(self, uri: str, data: bytes, *, timeout_s: float, fallback_encoding: str | None = None,
+              max_pages: int | None = None, pdf_text: str = "markdown", ocr: str = "auto",
+              max_unpacked_bytes: int | None = None, pages_per_task: int | None = None) -> Parsed:
+        """`parse_document` in the child (the options are its own); `parse_timeout` / `parse_crashed` when the
+        child does not answer within `timeout_s`."""
+        options = {"fallback_encoding": fallback_encoding, "max_pages": max_pages, "pdf_text": pdf_text, "ocr": ocr,
+                   "max_unpacked_bytes": max_unpacked_bytes, "pages_per_task": pages_per_task}
+        reply = self._request({"op": "parse", "uri": uri, "options": options}, data, timeout_s, "")
+        if isinstance(reply, tuple):
+            return Parsed(document_format(uri), *reply)
+        reply.pop("kind")
+        return Parsed(**reply)
+
+    def parse_range(self, uri: str, data: bytes, first: int, stop: int, *, timeout_s: float,
+                    pdf_text: str = "markdown", ocr: str = "auto") -> RangeText | Parsed:
+        """`parse_range` of pages `first` to `stop - 1` in the child; a Parsed for a failure (`parse_timeout` /
+        `parse_crashed` when the child does not answer within `timeout_s`)."""
+        header = {"op": "range", "uri": uri, "first": first, "stop": stop,
+                  "options": {"pdf_text": pdf_text, "ocr": ocr}}
+        reply = self._request(header, data, timeout_s, f"pages {first + 1}-{stop} ")
+        if isinstance(reply, tuple):
+            return Parsed(document_format(uri), *reply)
+        kind = reply.pop("kind")
+        return RangeText(**reply) if kind == "RangeText" else Parsed(**reply)
 
     def parse_pdf(self, data: bytes, *, timeout_s: float, max_pages: int | None = None, pdf_text: str = "markdown",
                   ocr: str = "auto") -> Parsed:
@@ -269,12 +330,13 @@ def shared_parser() -> IsolatedParser:
 
 def parse_isolated(uri: str, data: bytes, *, timeout_s: float, fallback_encoding: str | None = None,
                    max_pages: int | None = None, pdf_text: str = "markdown", ocr: str = "auto",
-                   max_unpacked_bytes: int | None = None) -> Parsed:
+                   max_unpacked_bytes: int | None = None, pages_per_task: int | None = None) -> Parsed:
     """`parse_document` with PDF, DOCX, HTML, EPUB and XPS documents parsed in this process's child under
-    `timeout_s`; text and Markdown in-process."""
+    `timeout_s`; text and Markdown in-process. (With `pages_per_task`, a longer PDF, EPUB or XPS is answered with
+    status SPLIT: pipeline/page_ranges.py parses it.)"""
     if document_format(uri) in ISOLATED_FORMATS and data:
         return shared_parser().parse(uri, data, timeout_s=timeout_s, fallback_encoding=fallback_encoding,
                                      max_pages=max_pages, pdf_text=pdf_text, ocr=ocr,
-                                     max_unpacked_bytes=max_unpacked_bytes)
+                                     max_unpacked_bytes=max_unpacked_bytes, pages_per_task=pages_per_task)
     return parse_document(uri, data, fallback_encoding=fallback_encoding, max_pages=max_pages, pdf_text=pdf_text,
                           ocr=ocr, max_unpacked_bytes=max_unpacked_bytes)

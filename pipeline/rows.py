@@ -27,6 +27,8 @@ DOCUMENT_STATUSES = ("too_large", "unsupported_format", "empty", "corrupt_pdf", 
                      "decode_error", "too_long", "invalid_output")
 STATUSES = ("ok", *INFRASTRUCTURE_STATUSES, *DOCUMENT_STATUSES)
 TIMINGS_TYPE = pa.struct([(s, pa.float64()) for s in STAGES])
+# pipeline/parse.py PAGE_SOURCES: markdown, plain, ocr, plain_fallback (pages counted once each)
+PAGE_SOURCES_TYPE = pa.struct([(s, pa.int32()) for s in ("markdown", "plain", "ocr", "plain_fallback")])
 
 OUTPUT_SCHEMA = pa.schema(
     [
@@ -37,6 +39,7 @@ OUTPUT_SCHEMA = pa.schema(
         ("format", pa.string()),  # pdf | docx | html | epub | xps | text | markdown | <extension>
         ("pages", pa.int32()),  # PDF, EPUB and XPS pages, null for the others
         ("text_source", pa.string()),  # text | ocr | mixed: how parsing got the text; null when it got none
+        ("page_sources", PAGE_SOURCES_TYPE),  # PDF, EPUB, XPS: pages whose text came from each method
         ("status", pa.string()),  # ok | named error kind
         ("error", pa.string()),  # message when status != ok
         ("output_text", pa.large_string()),

@@ -24,7 +24,7 @@ from clover_batch.connectors.checkpoint import local_checkpoint
 from clover_batch.connectors.faults import document_fault, fault_point
 from clover_batch.connectors.fs import Location, read_bytes
 from clover_batch.connectors.sink import stage_replacement, write_part
-from clover_batch.pipeline.parse_process import parse_isolated
+from clover_batch.pipeline.page_ranges import PAGES_PER_TASK, parse_document
 from clover_batch.pipeline.postprocess import FieldRule, check_extraction, extraction_instruction, strip_thinking
 from clover_batch.pipeline.progress import NO_PROGRESS, REPLICA_LOAD, ProgressNote
 from clover_batch.pipeline.rows import (
@@ -122,10 +122,13 @@ class ReadStage:
 class ParseStage:
     """Bytes -> text (needs: data, source_uri). PDF, DOCX, HTML, EPUB and XPS documents are parsed in this worker's
     child process, each within `timeout_s` (pipeline/parse_process.py): a document that hangs or crashes its parser
-    costs its own row, not the worker. Sets `format`, `pages` and `text_source` (how the text was obtained)."""
+    costs its own row, not the worker. A PDF, EPUB or XPS of more than `pages_per_task` pages is parsed as page
+    ranges, Ray tasks of `range_cpus` CPUs each, `timeout_s` per range (pipeline/page_ranges.py). Sets `format`,
+    `pages`, `text_source` and `page_sources` (how the text was obtained)."""
 
     def __init__(self, fallback_encoding: str | None, timeout_s: float = 300.0, max_pages: int | None = None, *,
                  pdf_text: str = "markdown", ocr: str = "auto", max_unpacked_bytes: int | None = None,
+                 pages_per_task: int = PAGES_PER_TASK, range_cpus: float = 0.5,
                  progress: ProgressNote = NO_PROGRESS):
         self.progress = progress
         self.fallback_encoding = fallback_encoding
@@ -134,6 +137,8 @@ class ParseStage:
         self.pdf_text = pdf_text
         self.ocr = ocr
         self.max_unpacked_bytes = max_unpacked_bytes
+        self.pages_per_task = pages_per_task
+        self.range_cpus = range_cpus
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = to_rows(batch)
@@ -142,12 +147,14 @@ class ParseStage:
                 continue
             with guarded(row, "parse"):
                 with timed(row, "parse"):
-                    parsed = parse_isolated(row["source_uri"], row["data"], timeout_s=self.timeout_s,
+                    parsed = parse_document(row["source_uri"], row["data"], timeout_s=self.timeout_s,
                                             fallback_encoding=self.fallback_encoding, max_pages=self.max_pages,
                                             pdf_text=self.pdf_text, ocr=self.ocr,
-                                            max_unpacked_bytes=self.max_unpacked_bytes)
+                                            max_unpacked_bytes=self.max_unpacked_bytes,
+                                            pages_per_task=self.pages_per_task, range_cpus=self.range_cpus,
+                                            progress=self.progress)
                 row.update(format=parsed.format, pages=parsed.pages, data=None, text=parsed.text,
-                           text_source=parsed.text_source)
+                           text_source=parsed.text_source, page_sources=parsed.page_sources)
                 if parsed.status != "ok":
                     fail(row, parsed.status, parsed.error)
             self.progress("parse")

@@ -81,3 +81,13 @@ def test_run_with_an_unknown_model_fails_before_ray_naming_it(tmp_path):
     text = " ".join(result.output.split())
     assert "run failed: ConfigError: model source 'no-such-model' is neither a preset nor a checkpoint" in text
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_show_prints_how_each_documents_pages_were_parsed(tmp_path):
+    rows = [{"doc_id": "1", "source_uri": "book.pdf", "status": "ok", "output_text": "A book.", "pages": 2000,
+             "page_sources": {"markdown": 1950, "plain": 0, "ocr": 25, "plain_fallback": 25}}]
+    with OutputLock(Location(str(tmp_path)), "r1"):
+        write_part(Location(str(tmp_path)), pa.Table.from_pylist(rows, OUTPUT_SCHEMA), "r1")
+    result = CliRunner().invoke(app, ["show", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "1950 markdown, 25 ocr, 25" in result.output and "plain_fallback" in result.output
