@@ -282,15 +282,21 @@ def show(
         list[str] | None, typer.Option("--option", "-o", help="fsspec storage option key=value (repeatable).")
     ] = None,
     samples: Annotated[int, typer.Option(help="Sample rows per status.")] = 2,
+    catalog: Annotated[
+        list[str] | None, typer.Option("--catalog", help="Iceberg output: a catalog property key=value that the "
+                                       "output's _iceberg.json leaves out, such as a credential (repeatable).")
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Show an output folder: rows by status and a few sample rows. Exits 1 when it holds no committed rows."""
+    """Show an output folder: rows by status and a few sample rows, from its Parquet parts or its Iceberg table.
+    Exits 1 when it holds no committed rows."""
     import yaml
     from clover_batch.connectors.fs import Location
     from clover_batch.jobs.inspect_output import summarize_output
 
     options = {k: yaml.safe_load(v) for k, _, v in (o.partition("=") for o in option or [])}
-    summary = summarize_output(Location(output, options), samples=samples)
+    catalog_options = {k: yaml.safe_load(v) for k, _, v in (o.partition("=") for o in catalog or [])}
+    summary = summarize_output(Location(output, options), samples=samples, catalog=catalog_options)
     if json_:
         typer.echo(json.dumps(dataclasses.asdict(summary)))
         raise typer.Exit(0 if summary.rows else 1)

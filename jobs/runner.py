@@ -39,8 +39,10 @@ import ray
 from clover_batch.connectors.attempts import forget_committed
 from clover_batch.connectors.faults import fault_config
 from clover_batch.connectors.fs import Location, list_document_table
+from clover_batch.connectors.iceberg import IcebergTarget, read_table_index, write_description
 from clover_batch.connectors.sink import (
     OutputLock,
+    check_lock_owner,
     check_manifest,
     clean_temporaries,
     read_index,
@@ -48,14 +50,16 @@ from clover_batch.connectors.sink import (
     swap_in,
     write_report,
 )
+from clover_batch.connectors.tables import TableInput, TableInputError, read_document_table
 from clover_batch.jobs.preflight import check_model
 from clover_batch.jobs.spec import JobSpec
 from clover_batch.pipeline.builder import PipelineOptions, build_pipeline
 from clover_batch.pipeline.metrics import RunMetrics
 from clover_batch.pipeline.postprocess import FieldRule
 from clover_batch.pipeline.replicas import start_replicas
-from clover_batch.pipeline.rows import INFRASTRUCTURE_STATUSES, STAGES, STATUSES
+from clover_batch.pipeline.rows import INFRASTRUCTURE_STATUSES, OUTPUT_SCHEMA, STAGES, STATUSES
 from clover_batch.pipeline.stages import ModelRef, TaskRef
+from clover_batch.pipeline.table_stages import commit_results
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +131,12 @@ class RunReport:
     decode_from_checkpoint: dict[str, str] = field(default_factory=dict)  # decode field -> checkpoint file:key
     # how denoising steps were computed: piece -> "exact: source" or "reading: source" (model/preview.py)
     preview_operator: dict[str, str] = field(default_factory=dict)
+    changed: int = 0  # input.table: listed documents whose text (or file) changed since their row; run again
+
+    @property
+    def outcome(self) -> ExitCode:
+        """What `clover-batch run` exits with for this report: OK or FAILED_ROWS."""
+        return ExitCode(self.exit_code)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -257,9 +267,10 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
     fields = tuple(
         FieldRule(name, f.type, f.description, f.required) for name, f in getattr(task, "fields", {}).items()
     )
+    output = Location(_absolute(spec.output.uri), spec.output.storage_options)
     return PipelineOptions(
-        input=Location(_absolute(spec.input.uri), spec.input.storage_options),
-        output=Location(_absolute(spec.output.uri), spec.output.storage_options),
+        input=Location(_absolute(spec.input.source_uri()), spec.input.storage_options),
+        output=output,
         model=ModelRef(_absolute(spec.model.source) if os.path.isdir(spec.model.source) else spec.model.source,
                        spec.model.dtype, spec.model.storage_options, spec.model.cache_dir,
                        spec.model.expert_parallel, spec.model.overrides(), spec.model.enable_thinking),
@@ -282,7 +293,34 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
         max_pages=spec.input.max_pages,
         pdf_text=spec.input.pdf_text,
         ocr=spec.input.ocr,
+        iceberg=IcebergTarget(output, spec.output.table, spec.output.catalog) if spec.output.format == "iceberg"
+        else None,
+        table=table_input(spec),
     )
+
+
+def table_input(spec: JobSpec) -> TableInput | None:
+    t = spec.input.table
+    if t is None:
+        return None
+    return TableInput(t.format, _absolute(t.uri) if t.uri else None, t.identifier, t.catalog, t.id_column,
+                      t.text_column, t.uri_column, spec.input.storage_options)
+
+
+def list_inputs(opts: PipelineOptions, include: list[str], exclude: list[str]) -> pa.Table:
+    """The documents to consider: the input folder's listing, or the input table's rows (UsageError for a table
+    that cannot be run, naming the column)."""
+    if opts.table is None:
+        return list_document_table(opts.input, include, exclude)
+    try:
+        return read_document_table(opts.table)
+    except TableInputError as e:
+        raise UsageError(str(e)) from None
+
+
+def committed_index(opts: PipelineOptions) -> pa.Table:
+    """doc_id, status, part and version of the output's rows: its Parquet parts, or its Iceberg table."""
+    return read_index(opts.output) if opts.iceberg is None else read_table_index(opts.iceberg)
 
 
 def output_settings(spec: JobSpec) -> dict[str, Any]:
@@ -358,6 +396,7 @@ class RunPlan:
     removed_temporaries: int
     published_staged: int
     dropped_staged: int
+    changed: int = 0  # pending documents whose row was made from another version (input.table: a changed text)
 
     @property
     def skipped_done(self) -> int:
@@ -373,11 +412,11 @@ def plan_run(opts: PipelineOptions, include: list[str], exclude: list[str], *,
     then it runs again and its new row will replace the old one (`replaces`).
     """
     removed = clean_temporaries(opts.output)
-    index = read_index(opts.output)
+    index = committed_index(opts)
     recovery = recover_staged(opts.output, index.column("doc_id"), opts.run_id, previous_owner)
     index = pa.concat_tables([index, recovery.index])
     forget_committed(opts.output, index.column("doc_id"))  # attempts of documents with a row no longer matter
-    listed = list_document_table(opts.input, include, exclude)
+    listed = list_inputs(opts, include, exclude)
     done = pc.is_in(listed.column("doc_id"), value_set=index.column("doc_id"))
     old_parts: dict[str, str] = {}
     replaces = pa.nulls(listed.num_rows, pa.bool_()).fill_null(False)
@@ -387,18 +426,37 @@ def plan_run(opts: PipelineOptions, include: list[str], exclude: list[str], *,
         retried_ids = set(listed.filter(replaces).column("doc_id").to_pylist())
         old_parts = {d: p for d, p in zip(failed.column("doc_id").to_pylist(), failed.column("part").to_pylist(),
                                           strict=True) if d in retried_ids}
+    retried = len(old_parts)
+    changed = changed_versions(listed, index)
+    if pc.any(changed).as_py():  # a table's document whose text changed: run again, its new row replaces the old
+        changed = pc.and_(changed, pc.invert(replaces))
+        replaces = pc.or_(replaces, changed)
+        changed_ids = set(listed.filter(changed).column("doc_id").to_pylist())
+        old_parts.update((d, p) for d, p in zip(index.column("doc_id").to_pylist(), index.column("part").to_pylist(),
+                                                strict=True) if d in changed_ids)
     keep = pc.or_(pc.invert(done), replaces)
     pending = listed.append_column("replaces", replaces).filter(keep)
     skipped = listed.filter(pc.invert(keep)).column("doc_id")
     kept_rows = index.filter(pc.is_in(index.column("doc_id"), value_set=skipped)).column("status")
     skipped_by_status = {c["values"]: c["counts"] for c in pc.value_counts(kept_rows).to_pylist()}
     plan = RunPlan(listed=listed.num_rows, pending=pending, skipped_by_status=skipped_by_status,
-                   retried=len(old_parts), committed_rows=index.num_rows,
+                   retried=retried, committed_rows=index.num_rows,
                    old_parts=old_parts, removed_temporaries=removed, published_staged=len(recovery.published),
-                   dropped_staged=len(recovery.dropped))
+                   dropped_staged=len(recovery.dropped), changed=pc.sum(changed.cast(pa.int64())).as_py() or 0)
     log.info("run %s: %d listed, %d already done, %d to process (%d retried)", opts.run_id, plan.listed,
              plan.skipped_done, pending.num_rows, plan.retried)
     return plan
+
+
+def changed_versions(listed: pa.Table, index: pa.Table) -> pa.ChunkedArray:
+    """Which listed documents have a row made from another version of them. Only a table's documents can: a listed
+    file's doc_id hashes its version, so an edited file is a new document."""
+    if not index.num_rows:
+        return pa.chunked_array([pa.nulls(listed.num_rows, pa.bool_()).fill_null(False)])
+    key = pc.binary_join_element_wise(listed.column("doc_id"), pc.fill_null(listed.column("version"), ""), "\n")
+    known = pc.binary_join_element_wise(index.column("doc_id"), pc.fill_null(index.column("version"), ""), "\n")
+    has_row = pc.is_in(listed.column("doc_id"), value_set=index.column("doc_id"))
+    return pc.and_(has_row, pc.invert(pc.is_in(key, value_set=known)))
 
 
 @dataclass
@@ -426,9 +484,14 @@ def execute(plan: RunPlan, opts: PipelineOptions, on_progress: Callable[[Progres
         return totals
     swapped: set[str] = set()
     metrics = RunMetrics(opts.job_name)
+    table = opts.iceberg.load(OUTPUT_SCHEMA) if opts.iceberg is not None else None
     with start_replicas(opts) as replicas:
         for batch in build_pipeline(plan.pending, opts, replicas).iter_batches(batch_size=None,
                                                                                batch_format="pyarrow"):
+            if opts.iceberg is not None:  # result rows: this driver commits them, one snapshot per batch
+                batch, table, replaced = commit_results(batch, opts.iceberg, table, opts.run_id, opts.rows_per_file,
+                                                        lambda: check_lock_owner(opts.output, opts.run_id))
+                totals.replaced += replaced
             _count(batch, totals, metrics, plan, opts, swapped)
             if on_progress:
                 on_progress(totals.progress)
@@ -522,8 +585,11 @@ def _with_absolute_paths(spec: JobSpec) -> JobSpec:
     model = spec.model
     if os.path.isdir(model.source):
         model = model.model_copy(update={"source": os.path.abspath(model.source)})
+    table = spec.input.table
+    if table is not None and table.uri:
+        table = table.model_copy(update={"uri": _absolute(table.uri)})
     return spec.model_copy(update={
-        "input": spec.input.model_copy(update={"uri": _absolute(spec.input.uri)}),
+        "input": spec.input.model_copy(update={"uri": spec.input.uri and _absolute(spec.input.uri), "table": table}),
         "output": spec.output.model_copy(update={"uri": _absolute(spec.output.uri)}),
         "model": model,
     })
@@ -534,9 +600,12 @@ def _run_here(spec: JobSpec, run_id: str, address: str | None, retry_statuses: t
               model_info: ModelInfo | None = None) -> RunResult:
     start = time.perf_counter()
     opts = pipeline_options(spec, run_id)
-    check_output_outside_input(opts.input, opts.output)
+    if opts.table is None:
+        check_output_outside_input(opts.input, opts.output)
     with OutputLock(opts.output, run_id) as lock:  # before Ray starts: a busy or conflicting output fails in a second
-        check_manifest(opts.output, output_settings(spec))
+        check_output_table(opts)
+        check_manifest(opts.output, output_settings(spec),
+                       has_rows=None if opts.iceberg is None else bool(read_table_index(opts.iceberg).num_rows))
         plan = plan_run(opts, spec.input.include, spec.input.exclude, retry_statuses=retry_statuses,
                         previous_owner=lock.took_over_from)
         connected = ""
@@ -554,6 +623,18 @@ def _run_here(spec: JobSpec, run_id: str, address: str | None, retry_statuses: t
         report_uri = write_report(opts.output, run_id, report.to_json())
     log.info("run %s finished: %s", run_id, report.by_status)
     return RunResult(run_id, report, report_uri)
+
+
+def check_output_table(opts: PipelineOptions) -> None:
+    """Iceberg output: the catalog answers and the table exists (created now when absent), before any work; the
+    output folder records which table its runs write (`show`)."""
+    if opts.iceberg is None:
+        return
+    try:
+        opts.iceberg.load(OUTPUT_SCHEMA)
+    except ValueError as e:  # IcebergOutputError, and pyiceberg's own for bad catalog properties
+        raise UsageError(f"output.table {opts.iceberg.table}: {e}") from None
+    write_description(opts.iceberg)
 
 
 def distribution(values: list[float]) -> dict[str, float | None]:
@@ -611,6 +692,7 @@ def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_ad
         mean_logprob=distribution(totals.mean_logprobs),
         decode_from_checkpoint=model_info.decode_sources,
         preview_operator=model_info.preview,
+        changed=plan.changed,
     )
 
 
