@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import clover_batch
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -18,8 +19,6 @@ from clover_batch.jobs.spec import JobSpecError
 from clover_batch.pipeline.rows import OUTPUT_SCHEMA
 from conftest import job_raw, requires_engine, write_job
 from typer.testing import CliRunner
-
-import clover_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = "jobs/examples/summarize-local.yaml"
@@ -86,7 +85,7 @@ def test_run_returns_the_report_with_the_cli_outcome(ray_session, tmp_path):
     assert os.path.exists(tmp_path / "out" / "_reports" / f"{report.run_id}.json")
     again = clover_batch.run(job, output__uri=str(tmp_path / "out"))
     assert (again.outcome, again.processed, again.skipped_done) == (ExitCode.OK, 0, 2)
-    with pytest.raises(JobSpecError, match="resources.replicas"):
+    with pytest.raises(JobSpecError, match=r"resources\.replicas"):
         clover_batch.run(job, resources__replicas=0)
     with pytest.raises(UsageError, match="--retry-status ok"):
         clover_batch.run(job, output__uri=str(tmp_path / "out"), retry_statuses=["ok"])
