@@ -54,6 +54,9 @@ WAREHOUSE_DIR = "warehouse"
 TABLE_FILE = "_iceberg.json"  # in output.uri: which table holds the rows, for `clover-batch show`
 COMMIT_ATTEMPTS = 5  # commits that conflict with another writer are redone on the refreshed table this many times
 RUN_ID_PROPERTY = "clover-batch.run-id"  # in each snapshot's summary: the run that committed it
+# a snapshot per batch makes a metadata file per batch: keep the last ones only (the snapshots themselves stay
+# until expired, see compact_table)
+TABLE_PROPERTIES = {"write.metadata.delete-after-commit.enabled": "true", "write.metadata.previous-versions-max": "20"}
 SECRET_WORDS = ("secret", "key", "token", "password", "credential", "session")
 
 
@@ -102,7 +105,7 @@ class IcebergTarget:
             if schema is None:
                 return None
             catalog.create_namespace_if_not_exists(namespace)
-            table = catalog.create_table_if_not_exists(self.table, schema=schema)
+            table = catalog.create_table_if_not_exists(self.table, schema=schema, properties=TABLE_PROPERTIES)
             log.info("created Iceberg table %s", self.table)
         if schema is not None:
             missing = [n for n in schema.names if n not in {f.name for f in table.schema().fields}]
@@ -158,31 +161,35 @@ def read_table_rows(target: IcebergTarget, columns: list[str] | None = None) -> 
 
 
 def _commit_once(table: Table, rows: pa.Table, replaced: list[str], run_id: str) -> None:
-    """Stage one overwrite snapshot: rows added, older rows of `replaced` documents removed; commit it."""
+    """Stage one snapshot: `rows` added, and the older rows of `replaced` documents removed (their data files
+    replaced by their other rows); commit it. With nothing to remove it is a fast append, which neither reads nor
+    rewrites the existing manifests: a batch of new documents costs the same on a large table as on an empty one."""
     from pyiceberg.expressions import AlwaysTrue, In
     from pyiceberg.io.pyarrow import ArrowScan, _dataframe_to_data_files
 
     txn = table.transaction()
+    metadata = txn.table_metadata  # a deep copy per access in pyiceberg: taken once
     counter = itertools.count(0)
-    with txn.update_snapshot(snapshot_properties={RUN_ID_PROPERTY: run_id}).overwrite() as snapshot:
-        if replaced and table.current_snapshot() is not None:
-            drop = pa.array(replaced, pa.string())
-            for task in table.scan(row_filter=In("doc_id", set(replaced))).plan_files():
-                old = ArrowScan(table_metadata=txn.table_metadata, io=table.io,
-                                projected_schema=txn.table_metadata.schema(), row_filter=AlwaysTrue()
-                                ).to_table(tasks=[task])
-                keep = old.filter(pc.invert(pc.is_in(old.column("doc_id"), value_set=drop)))
-                if keep.num_rows == old.num_rows:
-                    continue  # the file's statistics matched, none of its rows does
-                snapshot.delete_data_file(task.file)
-                if keep.num_rows:
-                    for data_file in _dataframe_to_data_files(table_metadata=txn.table_metadata, df=keep,
-                                                              io=table.io, write_uuid=snapshot.commit_uuid,
-                                                              counter=counter):
-                        snapshot.append_data_file(data_file)
-        for data_file in _dataframe_to_data_files(table_metadata=txn.table_metadata, df=rows, io=table.io,
-                                                  write_uuid=snapshot.commit_uuid, counter=counter):
-            snapshot.append_data_file(data_file)
+    rewrites = []  # (data file to drop, its rows to keep)
+    if replaced and table.current_snapshot() is not None:
+        drop = pa.array(replaced, pa.string())
+        for task in table.scan(row_filter=In("doc_id", set(replaced))).plan_files():
+            old = ArrowScan(table_metadata=metadata, io=table.io, projected_schema=metadata.schema(),
+                            row_filter=AlwaysTrue()).to_table(tasks=[task])
+            keep = old.filter(pc.invert(pc.is_in(old.column("doc_id"), value_set=drop)))
+            if keep.num_rows < old.num_rows:  # else the file's statistics matched, none of its rows does
+                rewrites.append((task.file, keep))
+    update = txn.update_snapshot(snapshot_properties={RUN_ID_PROPERTY: run_id})
+    with (update.overwrite() if rewrites else update.fast_append()) as snapshot:
+        for data_file, keep in rewrites:
+            snapshot.delete_data_file(data_file)
+            if keep.num_rows:
+                for new_file in _dataframe_to_data_files(table_metadata=metadata, df=keep, io=table.io,
+                                                         write_uuid=snapshot.commit_uuid, counter=counter):
+                    snapshot.append_data_file(new_file)
+        for new_file in _dataframe_to_data_files(table_metadata=metadata, df=rows, io=table.io,
+                                                 write_uuid=snapshot.commit_uuid, counter=counter):
+            snapshot.append_data_file(new_file)
     fault_point("iceberg_writing")  # the data files are written, the catalog does not reference them yet
     txn.commit_transaction()
 
@@ -226,3 +233,31 @@ def table_stats(target: IcebergTarget) -> dict[str, int]:
     files = list(table.scan().plan_files())
     return {"snapshots": len(table.snapshots()), "data_files": len(files),
             "rows": sum(t.file.record_count for t in files)}
+
+
+def compact_table(target: IcebergTarget, remove_files: bool = True) -> dict[str, int]:
+    """Rewrite the table's live rows as few data files, expire every older snapshot, and (the embedded local
+    warehouse only, `remove_files`) delete the data files no snapshot references any more: those of expired
+    snapshots and those a killed run wrote but never committed. Takes the output's lock, so no run writes
+    meanwhile. Time travel to the expired snapshots is gone. Returns table_stats after it."""
+    from clover_batch.connectors.sink import OutputLock
+
+    with OutputLock(target.output, f"compact-{int(time.time())}"):
+        table = target.load()
+        if table is None or table.current_snapshot() is None:
+            return table_stats(target)
+        table.overwrite(table.scan().to_arrow())  # one delete and one append snapshot: the live rows, bin-packed
+        table = table.refresh()
+        current = table.current_snapshot().snapshot_id
+        old = [s.snapshot_id for s in table.snapshots() if s.snapshot_id != current]
+        if old:
+            table.maintenance.expire_snapshots().by_ids(old).commit()
+        if remove_files and not target.catalog:
+            live = {t.file.file_path.removeprefix("file://") for t in table.refresh().scan().plan_files()}
+            data = os.path.join(table.location().removeprefix("file://"), "data")
+            for folder, _, names in os.walk(data):
+                for name in names:
+                    path = os.path.join(folder, name)
+                    if name.endswith(".parquet") and path not in live:
+                        os.remove(path)
+    return table_stats(target)

@@ -59,7 +59,7 @@ from clover_batch.pipeline.postprocess import FieldRule
 from clover_batch.pipeline.replicas import start_replicas
 from clover_batch.pipeline.rows import INFRASTRUCTURE_STATUSES, OUTPUT_SCHEMA, STAGES, STATUSES
 from clover_batch.pipeline.stages import ModelRef, TaskRef
-from clover_batch.pipeline.table_stages import commit_results
+from clover_batch.pipeline.table_stages import IcebergCommitter
 
 log = logging.getLogger(__name__)
 
@@ -286,6 +286,7 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
         kv_page_tokens=spec.resources.kv_page_tokens,
         max_attempts=spec.input.max_attempts,
         rows_per_file=spec.output.rows_per_file,
+        commit_interval_s=spec.output.commit_interval_s,
         max_file_bytes=spec.input.max_file_bytes,
         max_input_tokens=spec.input.max_input_tokens,
         fallback_encoding=spec.input.fallback_encoding,
@@ -484,15 +485,21 @@ def execute(plan: RunPlan, opts: PipelineOptions, on_progress: Callable[[Progres
         return totals
     swapped: set[str] = set()
     metrics = RunMetrics(opts.job_name)
-    table = opts.iceberg.load(OUTPUT_SCHEMA) if opts.iceberg is not None else None
+    committer = None
+    if opts.iceberg is not None:  # result rows come back: this driver commits them, a snapshot at a time
+        committer = IcebergCommitter(opts.iceberg, opts.run_id, opts.rows_per_file, opts.commit_interval_s,
+                                     lambda: check_lock_owner(opts.output, opts.run_id))
     with start_replicas(opts) as replicas:
         for batch in build_pipeline(plan.pending, opts, replicas).iter_batches(batch_size=None,
                                                                                batch_format="pyarrow"):
-            if opts.iceberg is not None:  # result rows: this driver commits them, one snapshot per batch
-                batch, table, replaced = commit_results(batch, opts.iceberg, table, opts.run_id, opts.rows_per_file,
-                                                        lambda: check_lock_owner(opts.output, opts.run_id))
-                totals.replaced += replaced
+            if committer is not None:
+                batch = committer.add(batch)
             _count(batch, totals, metrics, plan, opts, swapped)
+            if on_progress:
+                on_progress(totals.progress)
+        if committer is not None:
+            _count(committer.flush(), totals, metrics, plan, opts, swapped)
+            totals.replaced += committer.replaced
             if on_progress:
                 on_progress(totals.progress)
     return totals

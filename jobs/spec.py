@@ -184,6 +184,15 @@ class OutputSpec(_Strict):
         "less work when a run is killed; larger ones make fewer files.",
     )
 
+    commit_interval_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="format iceberg: the driver commits the rows that came back as one snapshot once at least "
+        "rows_per_file are waiting and this many seconds have passed since the last commit (and at the end). A "
+        "snapshot per few seconds keeps the table's metadata small; a killed run loses at most this much work. "
+        "0: a snapshot per rows_per_file rows.",
+    )
+
     @model_validator(mode="after")
     def _table(self) -> OutputSpec:
         if self.format == "iceberg":

@@ -72,6 +72,7 @@ class PipelineOptions:
     prep_num_cpus: float = 0.5  # CPU share of one read/parse/tokenize task
     prep_concurrency: int | None = None  # most cheap-stage tasks at once; None: 2 per replica
     iceberg: IcebergTarget | None = None  # output.format iceberg: the driver commits the rows there
+    commit_interval_s: float = 10.0  # Iceberg: least seconds between two snapshots (pipeline/table_stages.py)
     table: TableInput | None = None  # input.table: documents from a table instead of a folder listing
 
 

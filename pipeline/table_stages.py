@@ -2,7 +2,7 @@
 API), beside the file stages of pipeline/stages.py.
 
     text rows:     TextStage -> tokenize -> infer -> postprocess -> ...
-    Iceberg:       ... -> postprocess -> ResultStage (rows back to the driver, which commits them)
+    Iceberg:       ... -> postprocess -> ResultStage (rows back to the driver: IcebergCommitter commits them)
     process(ds):   the user's rows -> DocumentRows -> [read -> parse | TextStage] -> tokenize -> ReplicaStage
                    -> postprocess -> OutputRows (the output schema, for the user's own write)
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -95,21 +95,59 @@ class OutputRows:
         return batch.select(OUTPUT_SCHEMA.names).cast(OUTPUT_SCHEMA)
 
 
-def commit_results(block: pa.Table, target: IcebergTarget, table: Any, run_id: str, rows_per_commit: int,
-                   check: Callable[[], None]) -> tuple[pa.Table, Any, int]:
-    """On the driver: commit a block of ResultStage rows to the Iceberg table, one snapshot per `rows_per_commit`
-    rows (output.rows_per_file: Ray Data may hand several of the stage's batches over as one block). Returns the
-    block's stats rows (STATS_SCHEMA, as the write stage makes them), the refreshed table, and how many rows
-    replaced older ones."""
-    stats: list[dict[str, Any]] = []
-    replaced_total = 0
-    for start_row in range(0, block.num_rows, rows_per_commit):
-        batch = block.slice(start_row, rows_per_commit)
+class IcebergCommitter:
+    """On the driver: result rows from the ResultStage in, one Iceberg snapshot per commit out, stats rows (as the
+    write stage makes them) for the rows committed.
+
+    Rows are buffered and committed once at least `min_rows` (output.rows_per_file) are waiting and
+    `interval_s` (output.commit_interval_s) have passed since the last commit, and at the end (`flush`). Each commit
+    costs pyiceberg more as the table's snapshot list grows (bench/sinks.py), so a snapshot per few seconds of
+    results, not per Ray batch; a kill loses at most the rows of one interval (they run again). With
+    `interval_s=0`: one snapshot per `min_rows` rows."""
+
+    def __init__(self, target: IcebergTarget, run_id: str, min_rows: int, interval_s: float,
+                 check: Callable[[], None]):
+        self.target, self.run_id, self.check = target, run_id, check
+        self.min_rows, self.interval_s = min_rows, interval_s
+        self.table = target.load(OUTPUT_SCHEMA)
+        self.pending: list[pa.Table] = []
+        self.waiting = 0
+        self.last = time.monotonic()
+        self.replaced = 0  # rows committed in place of older rows of their documents
+
+    def add(self, block: pa.Table) -> pa.Table:
+        """Buffer `block`; returns the stats rows of whatever this call committed (often none)."""
+        self.pending.append(block)
+        self.waiting += block.num_rows
+        if self.waiting < self.min_rows or time.monotonic() - self.last < self.interval_s:
+            return STATS_SCHEMA.empty_table()
+        return self.flush(whole=self.interval_s > 0)
+
+    def flush(self, whole: bool = True) -> pa.Table:
+        """Commit what waits: as one snapshot (`whole`), or in snapshots of `min_rows` rows (a remainder below that
+        stays buffered until the next call, or the last one, which is whole)."""
+        if not self.waiting:
+            return STATS_SCHEMA.empty_table()
+        rows = pa.concat_tables(self.pending)
+        size = rows.num_rows if whole else self.min_rows
+        stats = []
+        done = 0
+        while rows.num_rows - done >= size or (whole and done < rows.num_rows):
+            batch = rows.slice(done, size)
+            stats.append(self._commit(batch))
+            done += batch.num_rows
+        self.pending = [rows.slice(done)] if done < rows.num_rows else []
+        self.waiting = rows.num_rows - done
+        self.last = time.monotonic()
+        return pa.concat_tables(stats) if stats else STATS_SCHEMA.empty_table()
+
+    def _commit(self, batch: pa.Table) -> pa.Table:
         start = time.perf_counter()
         replaced = batch.filter(pc.fill_null(batch.column("replaces"), False)).column("doc_id").to_pylist()
-        table = commit_rows(target, table, batch.select(OUTPUT_SCHEMA.names), replaced, run_id, check=check)
+        self.table = commit_rows(self.target, self.table, batch.select(OUTPUT_SCHEMA.names), replaced, self.run_id,
+                                 check=self.check)
+        self.replaced += len(replaced)
         seconds = (time.perf_counter() - start) / max(1, batch.num_rows)
-        for row in batch.select([n for n in STATS_SCHEMA.names if n in batch.column_names]).to_pylist():
-            stats.append({**row, "part_uri": None, "replacement": None, "write_seconds": seconds})
-        replaced_total += len(replaced)
-    return to_table(stats, STATS_SCHEMA), table, replaced_total
+        stats = [{**row, "part_uri": None, "replacement": None, "write_seconds": seconds}
+                 for row in batch.select([n for n in STATS_SCHEMA.names if n in batch.column_names]).to_pylist()]
+        return to_table(stats, STATS_SCHEMA)

@@ -49,7 +49,8 @@ def _table_job(table: dict, out, **sections) -> dict:
 
 def _iceberg_job(table: dict, out, **sections) -> dict:
     raw = _table_job(table, out, **sections)
-    raw["output"] = {"uri": str(out), "format": "iceberg", "table": "docs.results", "rows_per_file": 2}
+    raw["output"] = {"uri": str(out), "format": "iceberg", "table": "docs.results", "rows_per_file": 2,
+                     "commit_interval_s": 0}
     return raw
 
 
