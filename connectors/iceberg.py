@@ -56,7 +56,10 @@ COMMIT_ATTEMPTS = 5  # commits that conflict with another writer are redone on t
 RUN_ID_PROPERTY = "clover-batch.run-id"  # in each snapshot's summary: the run that committed it
 # a snapshot per batch makes a metadata file per batch: keep the last ones only (the snapshots themselves stay
 # until expired, see compact_table)
-TABLE_PROPERTIES = {"write.metadata.delete-after-commit.enabled": "true", "write.metadata.previous-versions-max": "20"}
+# until expired, see compact_table). No retries inside pyiceberg: it would re-apply a fast append on top of another
+# writer's commit without looking for that writer's rows of the same documents; `commit_rows` redoes the whole upsert.
+TABLE_PROPERTIES = {"write.metadata.delete-after-commit.enabled": "true", "write.metadata.previous-versions-max": "20",
+                    "commit.retry.num-retries": "0"}
 SECRET_WORDS = ("secret", "key", "token", "password", "credential", "session")
 
 
@@ -107,6 +110,10 @@ class IcebergTarget:
             catalog.create_namespace_if_not_exists(namespace)
             table = catalog.create_table_if_not_exists(self.table, schema=schema, properties=TABLE_PROPERTIES)
             log.info("created Iceberg table %s", self.table)
+        if schema is not None and any(table.properties.get(k) != v for k, v in TABLE_PROPERTIES.items()):
+            with table.transaction() as txn:  # a table made elsewhere: commits as this module expects them
+                txn.set_properties(TABLE_PROPERTIES)
+            table = table.refresh()
         if schema is not None:
             missing = [n for n in schema.names if n not in {f.name for f in table.schema().fields}]
             if missing:
@@ -199,11 +206,10 @@ def commit_rows(target: IcebergTarget, table: Table, rows: pa.Table, replaced: l
     """Upsert `rows` (the output schema) as one snapshot; `replaced`: their doc_ids that already have a row.
     `check()` runs right before each commit attempt (the output lock's fencing check). Returns the refreshed table.
 
-    A commit that conflicts with another writer is redone on the refreshed table: pyiceberg retries the commit of the
-    same snapshot itself and then refuses it (ValidationException), since data files were added since its base
-    (its serializable check cannot tell that they hold other documents). A document of `rows` that the plan did
-    not know as `replaced` may have been written meanwhile by that other writer, so each redo looks for older rows
-    of all of the batch's documents."""
+    A commit that conflicts with another writer (CommitFailedException: the table moved past the snapshot this one
+    was built on; pyiceberg's own retries are off, TABLE_PROPERTIES) is redone on the refreshed table. A document of
+    `rows` that the plan did not know as `replaced` may have been written meanwhile by that other writer, so each
+    redo looks for older rows of all of the batch's documents."""
     from pyiceberg.exceptions import CommitFailedException, ValidationException
 
     ids = rows.column("doc_id").to_pylist()

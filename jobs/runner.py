@@ -428,7 +428,7 @@ def plan_run(opts: PipelineOptions, include: list[str], exclude: list[str], *,
         old_parts = {d: p for d, p in zip(failed.column("doc_id").to_pylist(), failed.column("part").to_pylist(),
                                           strict=True) if d in retried_ids}
     retried = len(old_parts)
-    changed = changed_versions(listed, index)
+    changed = changed_versions(listed, index, opts.table is not None)
     if pc.any(changed).as_py():  # a table's document whose text changed: run again, its new row replaces the old
         changed = pc.and_(changed, pc.invert(replaces))
         replaces = pc.or_(replaces, changed)
@@ -449,10 +449,10 @@ def plan_run(opts: PipelineOptions, include: list[str], exclude: list[str], *,
     return plan
 
 
-def changed_versions(listed: pa.Table, index: pa.Table) -> pa.ChunkedArray:
+def changed_versions(listed: pa.Table, index: pa.Table, table_input: bool) -> pa.ChunkedArray:
     """Which listed documents have a row made from another version of them. Only a table's documents can: a listed
     file's doc_id hashes its version, so an edited file is a new document."""
-    if not index.num_rows:
+    if not index.num_rows or not table_input:
         return pa.chunked_array([pa.nulls(listed.num_rows, pa.bool_()).fill_null(False)])
     key = pc.binary_join_element_wise(listed.column("doc_id"), pc.fill_null(listed.column("version"), ""), "\n")
     known = pc.binary_join_element_wise(index.column("doc_id"), pc.fill_null(index.column("version"), ""), "\n")

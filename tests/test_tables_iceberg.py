@@ -271,6 +271,48 @@ def test_commit_rows_upserts_one_snapshot_and_redoes_a_conflicting_commit(tmp_pa
     assert table_stats(target) == {"snapshots": 3, "data_files": 3, "rows": 4}
     # `stale` still sees the second snapshot: its commit conflicts, and is redone looking for older rows of `c`
     commit_rows(target, stale, rows(["c"], "third", "r3"), [], "r3")
+    assert read_table_rows(target).num_rows == 4  # c's older row went with the redo
     got = {r["doc_id"]: (r["output_text"], r["run_id"]) for r in read_table_rows(target).to_pylist()}
     assert got == {"a": ("first a", "r1"), "b": ("second b", "r2"), "c": ("third c", "r3"), "d": ("first d", "r1")}
     assert table_stats(target)["snapshots"] == 4
+
+
+def _result_rows(ids, text, run_id, replaces=False):
+    from clover_batch.pipeline.table_stages import RESULT_SCHEMA
+
+    n = len(ids)
+    data = {name: pa.nulls(n, f.type) for name, f in zip(RESULT_SCHEMA.names, RESULT_SCHEMA, strict=True)}
+    data.update(doc_id=pa.array(ids, pa.string()), status=pa.array(["ok"] * n, pa.string()),
+                output_text=pa.array([f"{text} {i}" for i in ids], pa.large_string()),
+                run_id=pa.array([run_id] * n, pa.string()), replaces=pa.array([replaces] * n, pa.bool_()))
+    return pa.table(data, schema=RESULT_SCHEMA)
+
+
+def test_committer_buffers_to_its_interval_and_compaction_keeps_the_rows(tmp_path):
+    """Rows wait for the commit interval (one snapshot for several blocks), the end flushes them; with no interval,
+    a snapshot per rows_per_file rows. compact_table leaves one snapshot, few files, the same rows, and removes the
+    data files nothing references (an expired snapshot's, a killed run's)."""
+    from clover_batch.connectors.iceberg import compact_table
+    from clover_batch.pipeline.table_stages import IcebergCommitter
+
+    target = IcebergTarget(Location(str(tmp_path / "out")), "docs.results")
+    slow = IcebergCommitter(target, "r1", min_rows=2, interval_s=3600, check=lambda: None)
+    assert slow.add(_result_rows(["a", "b"], "first", "r1")).num_rows == 0  # the interval has not passed
+    assert slow.add(_result_rows(["c"], "first", "r1")).num_rows == 0
+    assert table_stats(target)["snapshots"] == 0
+    assert slow.flush().column("doc_id").to_pylist() == ["a", "b", "c"]
+    assert table_stats(target) == {"snapshots": 1, "data_files": 1, "rows": 3}
+
+    every = IcebergCommitter(target, "r2", min_rows=2, interval_s=0, check=lambda: None)
+    stats = every.add(_result_rows(["b", "d", "e"], "second", "r2", replaces=True))
+    assert stats.column("doc_id").to_pylist() == ["b", "d"]  # one snapshot of 2 rows; `e` waits for more
+    assert every.flush().column("doc_id").to_pylist() == ["e"]
+    assert every.replaced == 3 and table_stats(target)["snapshots"] == 3
+    before = {r["doc_id"]: r["output_text"] for r in read_table_rows(target).to_pylist()}
+    assert before == {"a": "first a", "b": "second b", "c": "first c", "d": "second d", "e": "second e"}
+
+    data = tmp_path / "out" / "warehouse" / "docs" / "results" / "data"
+    (data / "orphan-of-a-killed-run.parquet").write_bytes(b"PAR1")
+    assert compact_table(target) == {"snapshots": 1, "data_files": 1, "rows": 5}
+    assert {r["doc_id"]: r["output_text"] for r in read_table_rows(target).to_pylist()} == before
+    assert len(list(data.rglob("*.parquet"))) == 1
