@@ -167,7 +167,7 @@ def read_table_rows(target: IcebergTarget, columns: list[str] | None = None) -> 
     return scan.to_arrow()
 
 
-def _commit_once(table: Table, rows: pa.Table, replaced: list[str], run_id: str) -> None:
+def _commit_once(table: Table, rows: pa.Table, replaced: list[str], run_id: str) -> Table:
     """Stage one snapshot: `rows` added, and the older rows of `replaced` documents removed (their data files
     replaced by their other rows); commit it. With nothing to remove it is a fast append, which neither reads nor
     rewrites the existing manifests: a batch of new documents costs the same on a large table as on an empty one."""
@@ -198,13 +198,14 @@ def _commit_once(table: Table, rows: pa.Table, replaced: list[str], run_id: str)
                                                  write_uuid=snapshot.commit_uuid, counter=counter):
             snapshot.append_data_file(new_file)
     fault_point("iceberg_writing")  # the data files are written, the catalog does not reference them yet
-    txn.commit_transaction()
+    return txn.commit_transaction()  # the table as committed: no second read of the catalog
 
 
 def commit_rows(target: IcebergTarget, table: Table, rows: pa.Table, replaced: list[str], run_id: str,
                 check: Any = None) -> Table:
     """Upsert `rows` (the output schema) as one snapshot; `replaced`: their doc_ids that already have a row.
-    `check()` runs right before each commit attempt (the output lock's fencing check). Returns the refreshed table.
+    `check()` runs right before each commit attempt (the output lock's fencing check). Returns the table as
+    committed.
 
     A commit that conflicts with another writer (CommitFailedException: the table moved past the snapshot this one
     was built on; pyiceberg's own retries are off, TABLE_PROPERTIES) is redone on the refreshed table. A document of
@@ -217,7 +218,7 @@ def commit_rows(target: IcebergTarget, table: Table, rows: pa.Table, replaced: l
         if check is not None:
             check()
         try:
-            _commit_once(table, rows, replaced, run_id)
+            table = _commit_once(table, rows, replaced, run_id)
             break
         except (CommitFailedException, ValidationException) as e:
             if attempt == COMMIT_ATTEMPTS:
@@ -228,7 +229,7 @@ def commit_rows(target: IcebergTarget, table: Table, rows: pa.Table, replaced: l
             table = table.refresh()
             replaced = ids
     fault_point("iceberg_committed")
-    return table.refresh()
+    return table
 
 
 def table_stats(target: IcebergTarget) -> dict[str, int]:

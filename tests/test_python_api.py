@@ -89,3 +89,17 @@ def test_run_returns_the_report_with_the_cli_outcome(ray_session, tmp_path):
         clover_batch.run(job, resources__replicas=0)
     with pytest.raises(UsageError, match="--retry-status ok"):
         clover_batch.run(job, output__uri=str(tmp_path / "out"), retry_statuses=["ok"])
+
+
+def test_table_example_job_reads_its_table():
+    from clover_batch.connectors.tables import read_document_table
+    from clover_batch.jobs.runner import pipeline_options
+    from clover_batch.jobs.spec import load_job
+
+    spec = load_job(str(ROOT / "jobs" / "examples" / "table-to-iceberg.yaml"))
+    assert (spec.output.format, spec.output.table, spec.output.catalog) == ("iceberg", "docs.summaries", {})
+    docs = read_document_table(pipeline_options(spec.model_copy(update={"input": spec.input.model_copy(update={
+        "table": spec.input.table.model_copy(update={"uri": str(ROOT / spec.input.table.uri)})})}), "r").table)
+    assert docs.column("doc_id").to_pylist() == ["incident-report-long", "meeting-minutes", "purchase-order"]
+    assert docs.column("text").to_pylist()[1] == (ROOT / "jobs" / "examples" / "docs" / "meeting-minutes.txt"
+                                                  ).read_text()
