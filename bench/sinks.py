@@ -126,7 +126,7 @@ def main() -> None:
         start = time.perf_counter()
         compact_table(target)
         print(f"compact_table: {table_stats(target)}, {warehouse_bytes(folder) / 2**20:.1f} MiB under warehouse/ "
-              f"(files of expired snapshots stay until removed: see README), {time.perf_counter() - start:.2f} s")
+              f"(the expired snapshots' manifests stay under metadata/), {time.perf_counter() - start:.2f} s")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

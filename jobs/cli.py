@@ -303,7 +303,8 @@ def show(
     if not summary.rows:
         err_console.print(f"no committed rows under {output}")
         raise typer.Exit(1)
-    console.print(f"{summary.uri}: {summary.rows} rows in {summary.parts} parts")
+    files = "data files" if summary.format == "iceberg" else "parts"
+    console.print(f"{summary.uri}: {summary.rows} rows in {summary.parts} {files}")
     counts = Table()
     counts.add_column("status")
     counts.add_column("rows", justify="right")

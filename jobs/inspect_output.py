@@ -21,6 +21,7 @@ class OutputSummary:
     rows: int
     by_status: dict[str, int]
     samples: list[dict[str, Any]]  # up to `samples` rows per status, SAMPLE_COLUMNS only
+    format: str = "parquet"  # parquet | iceberg
 
 
 def summarize_output(location: Location, samples: int = 2, catalog: dict[str, Any] | None = None) -> OutputSummary:
@@ -35,7 +36,7 @@ def summarize_output(location: Location, samples: int = 2, catalog: dict[str, An
         uri, table = location.uri, read_output(location, columns=SAMPLE_COLUMNS)
         files = len(committed_parts(location)) if table is not None else 0
     if table is None:
-        return OutputSummary(uri, 0, 0, {}, [])
+        return OutputSummary(uri, 0, 0, {}, [], "parquet" if target is None else "iceberg")
     rows = sorted(table.to_pylist(), key=lambda r: (r["status"] != "ok", r["status"], r["source_uri"]))
     by_status = Counter(r["status"] for r in rows)
     picked, seen = [], Counter()
@@ -43,4 +44,5 @@ def summarize_output(location: Location, samples: int = 2, catalog: dict[str, An
         if seen[row["status"]] < samples:
             seen[row["status"]] += 1
             picked.append(row)
-    return OutputSummary(uri, files, len(rows), dict(sorted(by_status.items())), picked)
+    return OutputSummary(uri, files, len(rows), dict(sorted(by_status.items())), picked,
+                         "parquet" if target is None else "iceberg")

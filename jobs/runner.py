@@ -667,7 +667,7 @@ def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_ad
         job_name=spec.name,
         model=spec.model.source,
         task=spec.task.kind,
-        input_uri=spec.input.uri,
+        input_uri=spec.input.source_uri(),
         output_uri=spec.output.uri,
         ray_address=ray_address,
         finished_at=datetime.now(UTC).isoformat(),

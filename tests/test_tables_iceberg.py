@@ -64,6 +64,7 @@ def test_parquet_table_upserted_into_default_iceberg(ray_session, tmp_path):
 
     first = run(parse_job(raw)).report
     assert (first.processed, first.by_status, first.output_rows) == (5, {"ok": 5}, 5)
+    assert first.input_uri == str(src)
     rows = _iceberg_rows(out)
     assert sorted(rows) == [f"doc-{i}" for i in range(5)]
     assert {r["status"] for r in rows.values()} == {"ok"}
