@@ -4,9 +4,10 @@
 run is committed in exactly one part under the output lock (connectors/sink.py). Its steps, each a function here:
 
     connect_ray (local, a cluster's host:port, or ray:// where the run itself executes on the cluster)
-    -> plan_run (clean up, publish parts left staged, list, subtract the done set; retried documents flagged)
+    -> plan_run (clean up, publish parts left staged, list the folder or read the input table, subtract the done
+       set; retried documents, and a table's documents whose text changed, flagged)
     -> execute (the run's replica actors and the Ray Data pipeline; progress; metrics; retried rows swapped in as
-       their parts come back)
+       their parts come back; for an Iceberg output, the rows that come back committed here, a snapshot at a time)
     -> RunReport (typed; written as JSON next to the output), with the outcome a scheduler acts on (`ExitCode`)
 
 The outcome is judged on the output as this run leaves it, for the documents listed now: a row of an earlier run
