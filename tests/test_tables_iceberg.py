@@ -317,3 +317,21 @@ def test_committer_buffers_to_its_interval_and_compaction_keeps_the_rows(tmp_pat
     assert compact_table(target) == {"snapshots": 1, "data_files": 1, "rows": 5}
     assert {r["doc_id"]: r["output_text"] for r in read_table_rows(target).to_pylist()} == before
     assert len(list(data.rglob("*.parquet"))) == 1
+
+
+@requires_engine
+def test_parquet_table_on_s3(ray_session, s3_server, s3_bucket, tmp_path):
+    """A table on an object store, read through fsspec with input.storage_options."""
+    import io
+
+    bucket, client = s3_bucket
+    buffer = io.BytesIO()
+    pq.write_table(pa.table({"id": ["x", "y"], "text": TEXTS[:2]}), buffer)
+    client.put_object(Bucket=bucket, Key="tables/texts.parquet", Body=buffer.getvalue())
+    raw = _table_job({"format": "parquet", "uri": f"s3://{bucket}/tables/texts.parquet"}, tmp_path / "out")
+    raw["input"]["storage_options"] = s3_server
+    raw["decode"]["max_new_tokens"] = 4
+    report = run(parse_job(raw)).report
+    assert report.by_status == {"ok": 2} and report.input_uri == f"s3://{bucket}/tables/texts.parquet"
+    rows = read_output(Location(str(tmp_path / "out"))).to_pylist()
+    assert sorted(r["source_uri"] for r in rows) == [f"s3://{bucket}/tables/texts.parquet#{i}" for i in "xy"]
