@@ -77,14 +77,15 @@ SECRET_WORDS = ("secret", "key", "token", "password", "credential", "session")
 
 
 def masked(value, *, inside_options: bool = False):
-    """The job as printed: inside storage_options, credential-like values (key, secret, token, ...) become ***."""
+    """The job as printed: inside storage_options and Iceberg catalogs, credential-like values (key, secret, token,
+    ...) become ***."""
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
             if inside_options and not isinstance(v, dict) and any(w in str(k).lower() for w in SECRET_WORDS):
                 out[k] = "***"
             else:
-                out[k] = masked(v, inside_options=inside_options or k == "storage_options")
+                out[k] = masked(v, inside_options=inside_options or k in ("storage_options", "catalog"))
         return out
     if isinstance(value, list):
         return [masked(v, inside_options=inside_options) for v in value]

@@ -126,7 +126,7 @@ class RunReport:
     max_decode_batch: int  # most documents one replica decoded together
     kernels: list[str]  # what the replicas ran: fla or torch kernels, CUDA graphs, dtype and device
     stage_seconds: dict[str, float]  # seconds per stage, summed over documents
-    job: dict[str, Any]  # the job as run (decode: with the checkpoint's defaults), storage options left out
+    job: dict[str, Any]  # the job as run (decode: with the checkpoint's defaults); storage options, catalogs left out
     # the ok rows' mean_logprob (the trunk's confidence in the outputs): count, mean, min, p10, p50, p90, max
     mean_logprob: dict[str, float | None] = field(default_factory=dict)
     decode_from_checkpoint: dict[str, str] = field(default_factory=dict)  # decode field -> checkpoint file:key
@@ -695,7 +695,9 @@ def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_ad
         stage_seconds=totals.stage_seconds,
         job=spec.model_dump(
             mode="json",
-            exclude={"input": {"storage_options"}, "output": {"storage_options"}, "model": {"storage_options"}},
+            # credentials: fsspec options and Iceberg catalog properties stay out of the report
+            exclude={"input": {"storage_options": True, "table": {"catalog"}}, "output": {"storage_options", "catalog"},
+                     "model": {"storage_options"}},
         ),
         mean_logprob=distribution(totals.mean_logprobs),
         decode_from_checkpoint=model_info.decode_sources,

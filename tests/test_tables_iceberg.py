@@ -171,6 +171,21 @@ def test_unusable_table_is_refused_naming_the_column(tmp_path, table, message):
         "docs.results").snapshots()  # nothing committed
 
 
+def test_catalog_credentials_are_masked_and_kept_out_of_reports(tmp_path):
+    from clover_batch.jobs.cli import masked
+
+    catalog = {"type": "rest", "uri": "https://catalog.example", "credential": "id:secret", "token": "t0k"}
+    raw = job_raw("unused", str(tmp_path / "out"))
+    raw["input"] = {"table": {"format": "iceberg", "identifier": "a.b", "catalog": catalog}}
+    raw["output"] = {"uri": str(tmp_path / "out"), "format": "iceberg", "table": "docs.results", "catalog": catalog}
+    shown = masked(parse_job(raw).model_dump(mode="json"))
+    for section in (shown["input"]["table"]["catalog"], shown["output"]["catalog"]):
+        assert section == {"type": "rest", "uri": "https://catalog.example", "credential": "***", "token": "***"}
+    target = IcebergTarget(Location(str(tmp_path / "out")), "docs.results", catalog)
+    assert target.describe() == {"table": "docs.results",
+                                 "catalog": {"type": "rest", "uri": "https://catalog.example"}}
+
+
 def test_job_fields_of_tables_are_checked():
     base = job_raw("unused", "out")
     with pytest.raises(JobSpecError, match=r"give input\.uri .* or input\.table .*, not both"):
