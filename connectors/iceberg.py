@@ -11,13 +11,16 @@ Notable choices:
 - Not Ray's `Dataset.write_iceberg(mode=UPSERT)`: it writes the data files in the workers and commits once when the
   whole dataset is written, so a run killed near its end loses everything, and each upsert there is pyiceberg's
   `Table.upsert` (a delete snapshot, then an append: two or three snapshots per commit).
-- One snapshot per batch (an `overwrite` snapshot: `_OverwriteFiles`): the batch's new rows are added as data
-  files, and the data files holding an older row of one of its documents (a retried failure, a changed text) are
-  replaced, in the same snapshot, by their other rows. Which documents have an older row is known from the plan,
-  read from the table's current snapshot under the lock (`replaced`), so a batch of new documents never scans the
-  table. A kill before the catalog's commit leaves the table at its last snapshot (the data files already written
-  are orphans that no snapshot references; see README: Iceberg maintenance); a re-run reads the table as that
-  snapshot has it and runs the rest: exactly one row per doc_id.
+- One snapshot per commit: the batch's rows are added as data files (a fast append), and when some of its
+  documents have an older row (a retried failure, a changed text) the data files holding those rows are replaced,
+  in the same snapshot, by their other rows (an overwrite snapshot). Which documents have an older row is known
+  from the plan, read from the table's current snapshot under the lock (`replaced`), so a batch of new documents
+  never scans the table. A kill before the catalog's commit leaves the table at its last snapshot (the data files
+  already written are orphans that no snapshot references; `compact_table` removes them); a re-run reads the table
+  as that snapshot has it and runs the rest: exactly one row per doc_id. How often the driver commits:
+  pipeline/table_stages.py IcebergCommitter.
+- pyiceberg's commit copies the table's metadata, every snapshot included, several times: a commit costs more as
+  snapshots accumulate (bench/sinks.py), hence commits by time and `compact_table` between runs.
 - The default catalog is a SQL catalog named `default` on SQLite at `<output.uri>/catalog.db`, warehouse
   `<output.uri>/warehouse` (local output folders only: SQLite needs a local file). A SQL catalog keeps each catalog
   name's tables apart, so readers load it as `load_catalog("default", type="sql", uri=..., warehouse=...)`.
@@ -55,7 +58,6 @@ TABLE_FILE = "_iceberg.json"  # in output.uri: which table holds the rows, for `
 COMMIT_ATTEMPTS = 5  # commits that conflict with another writer are redone on the refreshed table this many times
 RUN_ID_PROPERTY = "clover-batch.run-id"  # in each snapshot's summary: the run that committed it
 # a snapshot per batch makes a metadata file per batch: keep the last ones only (the snapshots themselves stay
-# until expired, see compact_table)
 # until expired, see compact_table). No retries inside pyiceberg: it would re-apply a fast append on top of another
 # writer's commit without looking for that writer's rows of the same documents; `commit_rows` redoes the whole upsert.
 TABLE_PROPERTIES = {"write.metadata.delete-after-commit.enabled": "true", "write.metadata.previous-versions-max": "20",
