@@ -72,7 +72,10 @@ HEARTBEATS_DIR = "_heartbeats"
 MANIFEST = "_job.json"
 LOCK = "_lock.json"
 
-INDEX_SCHEMA = pa.schema([("doc_id", pa.string()), ("status", pa.string()), ("part", pa.string())])
+# the committed rows' doc_id, status, part file and version (what content the row was made from: a table input's
+# changed text has the same doc_id and another version, jobs/runner.py plan_run)
+INDEX_SCHEMA = pa.schema([("doc_id", pa.string()), ("status", pa.string()), ("part", pa.string()),
+                          ("version", pa.string())])
 
 
 def _is_local(fs) -> bool:
@@ -118,12 +121,14 @@ def read_output(location: Location, columns: list[str] | None = None) -> pa.Tabl
 
 
 def read_index(location: Location) -> pa.Table:
-    """doc_id, status and part path of every committed row (INDEX_SCHEMA), read in parallel, as Arrow columns."""
+    """doc_id, status, part path and version of every committed row (INDEX_SCHEMA), read in parallel, as Arrow
+    columns."""
     fs, _ = location.filesystem()
     parts = committed_parts(location)
     if not parts:
         return INDEX_SCHEMA.empty_table()
-    table = _dataset(fs, parts, ["doc_id", "status"]).to_table(columns=["doc_id", "status", "__filename"])
+    table = _dataset(fs, parts, ["doc_id", "status", "version"]).to_table(
+        columns=["doc_id", "status", "__filename", "version"])
     return table.rename_columns(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)
 
 
@@ -259,7 +264,7 @@ def recover_staged(location: Location, committed: pa.Array, run_id: str, previou
     tables = []
     for path in sorted(newest_first, key=lambda p: run_of(p) != previous_owner):  # stable: keeps newest first
         try:
-            table = pq.read_table(path, filesystem=fs, columns=["doc_id", "status"])
+            table = pq.read_table(path, filesystem=fs, columns=["doc_id", "status", "version"])
         except Exception as e:  # staging writes whole files, so this is damage from outside: not ours to publish
             log.warning("dropping unreadable staged part %s: %s", path, e)
             _remove(fs, path)
@@ -280,7 +285,7 @@ def recover_staged(location: Location, committed: pa.Array, run_id: str, previou
         recovery.published.append(name)
         tables.append(table.append_column("part", pa.array([posixpath.join(root, name)] * len(table), pa.string())))
     if tables:
-        recovery.index = pa.concat_tables(tables).cast(INDEX_SCHEMA)
+        recovery.index = pa.concat_tables(tables).select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)
     if _is_local(fs):
         _remove_empty_dirs(staged_root)
     if recovery.published or recovery.dropped:
@@ -359,19 +364,21 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): value}
 
 
-def check_manifest(location: Location, settings: dict[str, Any]) -> bool:
+def check_manifest(location: Location, settings: dict[str, Any], has_rows: bool | None = None) -> bool:
     """Guard an output folder against mixing rows made with different settings (model, task, decode).
 
     The first run writes `settings` to `_job.json` (again while no row is committed, so a first run that failed
     before writing anything does not pin its settings); later runs must bring the same settings, else
     `OutputConflict` names each setting that differs. Without this guard a scheduled re-run with, say, a new
     instruction would skip every done document and leave old and new answers side by side. Returns True when
-    this call wrote the manifest.
+    this call wrote the manifest. `has_rows`: whether the output holds rows, where they are not Parquet parts in
+    `location` (an Iceberg table); None: look for committed parts.
     """
     fs, root = _root(location)
     path = posixpath.join(root, MANIFEST)
     canonical = json.loads(json.dumps(settings, sort_keys=True, default=str))
-    if fs.exists(path) and committed_parts(location):  # a manifest with no rows yet (a failed first run) is redone
+    rows = bool(committed_parts(location)) if has_rows is None else has_rows
+    if fs.exists(path) and rows:  # a manifest with no rows yet (a failed first run) is redone
         try:
             stored = json.loads(fs.cat_file(path))
         except (ValueError, OSError) as e:

@@ -78,14 +78,15 @@ SECRET_WORDS = ("secret", "key", "token", "password", "credential", "session")
 
 
 def masked(value, *, inside_options: bool = False):
-    """The job as printed: inside storage_options, credential-like values (key, secret, token, ...) become ***."""
+    """The job as printed: inside storage_options and Iceberg catalogs, credential-like values (key, secret, token,
+    ...) become ***."""
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
             if inside_options and not isinstance(v, dict) and any(w in str(k).lower() for w in SECRET_WORDS):
                 out[k] = "***"
             else:
-                out[k] = masked(v, inside_options=inside_options or k == "storage_options")
+                out[k] = masked(v, inside_options=inside_options or k in ("storage_options", "catalog"))
         return out
     if isinstance(value, list):
         return [masked(v, inside_options=inside_options) for v in value]
@@ -294,22 +295,29 @@ def show(
         list[str] | None, typer.Option("--option", "-o", help="fsspec storage option key=value (repeatable).")
     ] = None,
     samples: Annotated[int, typer.Option(help="Sample rows per status.")] = 2,
+    catalog: Annotated[
+        list[str] | None, typer.Option("--catalog", help="Iceberg output: a catalog property key=value that the "
+                                       "output's _iceberg.json leaves out, such as a credential (repeatable).")
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Show an output folder: rows by status and a few sample rows. Exits 1 when it holds no committed rows."""
+    """Show an output folder: rows by status and a few sample rows, from its Parquet parts or its Iceberg table.
+    Exits 1 when it holds no committed rows."""
     import yaml
     from clover_batch.connectors.fs import Location
     from clover_batch.jobs.inspect_output import summarize_output
 
     options = {k: yaml.safe_load(v) for k, _, v in (o.partition("=") for o in option or [])}
-    summary = summarize_output(Location(output, options), samples=samples)
+    catalog_options = {k: yaml.safe_load(v) for k, _, v in (o.partition("=") for o in catalog or [])}
+    summary = summarize_output(Location(output, options), samples=samples, catalog=catalog_options)
     if json_:
         typer.echo(json.dumps(dataclasses.asdict(summary)))
         raise typer.Exit(0 if summary.rows else 1)
     if not summary.rows:
         err_console.print(f"no committed rows under {output}")
         raise typer.Exit(1)
-    console.print(f"{summary.uri}: {summary.rows} rows in {summary.parts} parts")
+    files = "data files" if summary.format == "iceberg" else "parts"
+    console.print(f"{summary.uri}: {summary.rows} rows in {summary.parts} {files}")
     counts = Table()
     counts.add_column("status")
     counts.add_column("rows", justify="right")

@@ -1,4 +1,5 @@
-"""What an output folder holds: rows by status and a few sample rows (for `clover-batch show`)."""
+"""What an output folder holds: rows by status and a few sample rows (for `clover-batch show`), from its Parquet parts
+or its Iceberg table."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clover_batch.connectors.fs import Location
+from clover_batch.connectors.iceberg import read_description, read_table_rows, table_stats
 from clover_batch.connectors.sink import committed_parts, read_output
 
 SAMPLE_COLUMNS = ["doc_id", "source_uri", "format", "status", "error", "input_tokens", "output_tokens", "output_text",
@@ -16,19 +18,30 @@ SAMPLE_COLUMNS = ["doc_id", "source_uri", "format", "status", "error", "input_to
 @dataclass(frozen=True)
 class OutputSummary:
     uri: str
-    parts: int  # committed Parquet part files
+    parts: int  # committed Parquet part files, or the Iceberg table's data files
     rows: int
     by_status: dict[str, int]
     samples: list[dict[str, Any]]  # up to `samples` rows per status, SAMPLE_COLUMNS only
+    format: str = "parquet"  # parquet | iceberg
 
 
-def summarize_output(location: Location, samples: int = 2) -> OutputSummary:
-    try:
-        table = read_output(location, columns=SAMPLE_COLUMNS)
-    except KeyError:  # an output folder written before rows had page_sources
-        table = read_output(location, columns=SAMPLE_COLUMNS[:-1])
+def summarize_output(location: Location, samples: int = 2, catalog: dict[str, Any] | None = None) -> OutputSummary:
+    """An output folder's rows: its Parquet parts, or the Iceberg table its runs write (named in `_iceberg.json`;
+    `catalog` adds the catalog properties left out of it, such as credentials)."""
+    target = read_description(location, catalog)
+    if target is not None:
+        uri = f"{location.uri} (Iceberg table {target.table})"
+        table = read_table_rows(target, SAMPLE_COLUMNS)
+        files = table_stats(target)["data_files"] if table is not None else 0
+    else:
+        uri = location.uri
+        try:
+            table = read_output(location, columns=SAMPLE_COLUMNS)
+        except KeyError:  # an output folder written before rows had page_sources
+            table = read_output(location, columns=SAMPLE_COLUMNS[:-1])
+        files = len(committed_parts(location)) if table is not None else 0
     if table is None:
-        return OutputSummary(location.uri, 0, 0, {}, [])
+        return OutputSummary(uri, 0, 0, {}, [], "parquet" if target is None else "iceberg")
     rows = sorted(table.to_pylist(), key=lambda r: (r["status"] != "ok", r["status"], r["source_uri"]))
     by_status = Counter(r["status"] for r in rows)
     picked, seen = [], Counter()
@@ -36,6 +49,5 @@ def summarize_output(location: Location, samples: int = 2) -> OutputSummary:
         if seen[row["status"]] < samples:
             seen[row["status"]] += 1
             picked.append(row)
-    return OutputSummary(
-        location.uri, len(committed_parts(location)), len(rows), dict(sorted(by_status.items())), picked
-    )
+    return OutputSummary(uri, files, len(rows), dict(sorted(by_status.items())), picked,
+                         "parquet" if target is None else "iceberg")

@@ -4,12 +4,13 @@
 run is committed in exactly one part under the output lock (connectors/sink.py). Its steps, each a function here:
 
     connect_ray (local, a cluster's host:port, or ray:// where the run itself executes on the cluster)
-    -> plan_run (clean up, publish parts left staged, list, subtract the done set; retried documents flagged)
+    -> plan_run (clean up, publish parts left staged, list the folder or read the input table, subtract the done
+       set; retried documents, and a table's documents whose text changed, flagged)
     -> ensure_plan (jobs/resources.py: the resource plan, checked against the cluster before any replica starts:
        fitted, refused (exit 2), or waited for on a cluster that may grow (exit 1 past run.startup_timeout_s))
     -> execute (the run's replica actors and the Ray Data pipeline; progress; metrics; retried rows swapped in as
-       their parts come back; the stall watchdog, jobs/watchdog.py, ends it with a diagnosis if nothing moves for
-       run.stall_timeout_s)
+       their parts come back; for an Iceberg output, the rows that come back committed here, a snapshot at a time;
+       the stall watchdog, jobs/watchdog.py, ends it with a diagnosis if nothing moves for run.stall_timeout_s)
     -> RunReport (typed; written as JSON next to the output), with the outcome a scheduler acts on (`ExitCode`)
 
 The outcome is judged on the output as this run leaves it, for the documents listed now: a row of an earlier run
@@ -42,8 +43,10 @@ import ray
 from clover_batch.connectors.attempts import forget_committed
 from clover_batch.connectors.faults import fault_config
 from clover_batch.connectors.fs import Location, list_document_table
+from clover_batch.connectors.iceberg import IcebergTarget, read_table_index, write_description
 from clover_batch.connectors.sink import (
     OutputLock,
+    check_lock_owner,
     check_manifest,
     clean_temporaries,
     read_index,
@@ -51,6 +54,7 @@ from clover_batch.connectors.sink import (
     swap_in,
     write_report,
 )
+from clover_batch.connectors.tables import TableInput, TableInputError, read_document_table
 from clover_batch.jobs.preflight import check_model
 from clover_batch.jobs.resources import ClusterShape, ResourcePlan, ensure_plan
 from clover_batch.jobs.spec import JobSpec
@@ -60,8 +64,9 @@ from clover_batch.pipeline.metrics import RunMetrics
 from clover_batch.pipeline.postprocess import FieldRule
 from clover_batch.pipeline.progress import ProgressNote, board_name, start_board
 from clover_batch.pipeline.replicas import start_replicas
-from clover_batch.pipeline.rows import INFRASTRUCTURE_STATUSES, STAGES, STATUSES
+from clover_batch.pipeline.rows import INFRASTRUCTURE_STATUSES, OUTPUT_SCHEMA, STAGES, STATUSES
 from clover_batch.pipeline.stages import ModelRef, TaskRef
+from clover_batch.pipeline.table_stages import IcebergCommitter
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +134,7 @@ class RunReport:
     max_decode_batch: int  # most documents one replica decoded together
     kernels: list[str]  # what the replicas ran: fla or torch kernels, CUDA graphs, dtype and device
     stage_seconds: dict[str, float]  # seconds per stage, summed over documents
-    job: dict[str, Any]  # the job as run (decode: with the checkpoint's defaults), storage options left out
+    job: dict[str, Any]  # the job as run (decode: with the checkpoint's defaults); storage options, catalogs left out
     # the resource plan (jobs.resources.ResourcePlan.to_json: numbers, what was fitted); {} when Ray was not needed
     resources: dict[str, Any] = field(default_factory=dict)
     # a stalled run's diagnosis (jobs.watchdog.Diagnosis: the stalled stage, replicas' engine states, pending
@@ -140,6 +145,12 @@ class RunReport:
     decode_from_checkpoint: dict[str, str] = field(default_factory=dict)  # decode field -> checkpoint file:key
     # how denoising steps were computed: piece -> "exact: source" or "reading: source" (model/preview.py)
     preview_operator: dict[str, str] = field(default_factory=dict)
+    changed: int = 0  # input.table: listed documents whose text (or file) changed since their row; run again
+
+    @property
+    def outcome(self) -> ExitCode:
+        """What `clover-batch run` exits with for this report: OK or FAILED_ROWS."""
+        return ExitCode(self.exit_code)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -271,9 +282,10 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
     fields = tuple(
         FieldRule(name, f.type, f.description, f.required) for name, f in getattr(task, "fields", {}).items()
     )
+    output = Location(_absolute(spec.output.uri), spec.output.storage_options)
     return PipelineOptions(
-        input=Location(_absolute(spec.input.uri), spec.input.storage_options),
-        output=Location(_absolute(spec.output.uri), spec.output.storage_options),
+        input=Location(_absolute(spec.input.source_uri()), spec.input.storage_options),
+        output=output,
         model=ModelRef(_absolute(spec.model.source) if os.path.isdir(spec.model.source) else spec.model.source,
                        spec.model.dtype, spec.model.storage_options, spec.model.cache_dir,
                        spec.model.expert_parallel, spec.model.overrides(), spec.model.enable_thinking),
@@ -289,6 +301,7 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
         kv_page_tokens=spec.resources.kv_page_tokens,
         max_attempts=spec.input.max_attempts,
         rows_per_file=spec.output.rows_per_file,
+        commit_interval_s=spec.output.commit_interval_s,
         max_file_bytes=spec.input.max_file_bytes,
         max_input_tokens=spec.input.max_input_tokens,
         fallback_encoding=spec.input.fallback_encoding,
@@ -297,7 +310,34 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
         pdf_text=spec.input.pdf_text,
         ocr=spec.input.ocr,
         pages_per_task=spec.input.pages_per_task,
+        iceberg=IcebergTarget(output, spec.output.table, spec.output.catalog) if spec.output.format == "iceberg"
+        else None,
+        table=table_input(spec),
     )
+
+
+def table_input(spec: JobSpec) -> TableInput | None:
+    t = spec.input.table
+    if t is None:
+        return None
+    return TableInput(t.format, _absolute(t.uri) if t.uri else None, t.identifier, t.catalog, t.id_column,
+                      t.text_column, t.uri_column, spec.input.storage_options)
+
+
+def list_inputs(opts: PipelineOptions, include: list[str], exclude: list[str]) -> pa.Table:
+    """The documents to consider: the input folder's listing, or the input table's rows (UsageError for a table
+    that cannot be run, naming the column)."""
+    if opts.table is None:
+        return list_document_table(opts.input, include, exclude)
+    try:
+        return read_document_table(opts.table)
+    except TableInputError as e:
+        raise UsageError(str(e)) from None
+
+
+def committed_index(opts: PipelineOptions) -> pa.Table:
+    """doc_id, status, part and version of the output's rows: its Parquet parts, or its Iceberg table."""
+    return read_index(opts.output) if opts.iceberg is None else read_table_index(opts.iceberg)
 
 
 def output_settings(spec: JobSpec) -> dict[str, Any]:
@@ -362,6 +402,7 @@ class RunPlan:
     removed_temporaries: int
     published_staged: int
     dropped_staged: int
+    changed: int = 0  # pending documents whose row was made from another version (input.table: a changed text)
 
     @property
     def skipped_done(self) -> int:
@@ -377,11 +418,11 @@ def plan_run(opts: PipelineOptions, include: list[str], exclude: list[str], *,
     then it runs again and its new row will replace the old one (`replaces`).
     """
     removed = clean_temporaries(opts.output)
-    index = read_index(opts.output)
+    index = committed_index(opts)
     recovery = recover_staged(opts.output, index.column("doc_id"), opts.run_id, previous_owner)
     index = pa.concat_tables([index, recovery.index])
     forget_committed(opts.output, index.column("doc_id"))  # attempts of documents with a row no longer matter
-    listed = list_document_table(opts.input, include, exclude)
+    listed = list_inputs(opts, include, exclude)
     done = pc.is_in(listed.column("doc_id"), value_set=index.column("doc_id"))
     old_parts: dict[str, str] = {}
     replaces = pa.nulls(listed.num_rows, pa.bool_()).fill_null(False)
@@ -391,21 +432,40 @@ def plan_run(opts: PipelineOptions, include: list[str], exclude: list[str], *,
         retried_ids = set(listed.filter(replaces).column("doc_id").to_pylist())
         old_parts = {d: p for d, p in zip(failed.column("doc_id").to_pylist(), failed.column("part").to_pylist(),
                                           strict=True) if d in retried_ids}
+    retried = len(old_parts)
+    changed = changed_versions(listed, index, opts.table is not None)
+    if pc.any(changed).as_py():  # a table's document whose text changed: run again, its new row replaces the old
+        changed = pc.and_(changed, pc.invert(replaces))
+        replaces = pc.or_(replaces, changed)
+        changed_ids = set(listed.filter(changed).column("doc_id").to_pylist())
+        old_parts.update((d, p) for d, p in zip(index.column("doc_id").to_pylist(), index.column("part").to_pylist(),
+                                                strict=True) if d in changed_ids)
     keep = pc.or_(pc.invert(done), replaces)
     pending = listed.append_column("replaces", replaces).filter(keep)
     skipped = listed.filter(pc.invert(keep)).column("doc_id")
     kept_rows = index.filter(pc.is_in(index.column("doc_id"), value_set=skipped)).column("status")
     skipped_by_status = {c["values"]: c["counts"] for c in pc.value_counts(kept_rows).to_pylist()}
     plan = RunPlan(listed=listed.num_rows, pending=pending, skipped_by_status=skipped_by_status,
-                   retried=len(old_parts), committed_rows=index.num_rows,
+                   retried=retried, committed_rows=index.num_rows,
                    old_parts=old_parts, removed_temporaries=removed, published_staged=len(recovery.published),
-                   dropped_staged=len(recovery.dropped))
+                   dropped_staged=len(recovery.dropped), changed=pc.sum(changed.cast(pa.int64())).as_py() or 0)
     return plan
 
 
 def _log_listing(plan: RunPlan, run_id: str) -> None:
     log.info("run %s: %d listed, %d already done, %d to process (%d retried)", run_id, plan.listed,
              plan.skipped_done, plan.pending.num_rows, plan.retried)
+
+
+def changed_versions(listed: pa.Table, index: pa.Table, table_input: bool) -> pa.ChunkedArray:
+    """Which listed documents have a row made from another version of them. Only a table's documents can: a listed
+    file's doc_id hashes its version, so an edited file is a new document."""
+    if not index.num_rows or not table_input:
+        return pa.chunked_array([pa.nulls(listed.num_rows, pa.bool_()).fill_null(False)])
+    key = pc.binary_join_element_wise(listed.column("doc_id"), pc.fill_null(listed.column("version"), ""), "\n")
+    known = pc.binary_join_element_wise(index.column("doc_id"), pc.fill_null(index.column("version"), ""), "\n")
+    has_row = pc.is_in(listed.column("doc_id"), value_set=index.column("doc_id"))
+    return pc.and_(has_row, pc.invert(pc.is_in(key, value_set=known)))
 
 
 @dataclass
@@ -449,6 +509,10 @@ def execute(plan: RunPlan, opts: PipelineOptions, on_progress: Callable[[Progres
     board = start_board(opts.run_id) if stall_timeout_s > 0 else None
     note = ProgressNote(board_name(opts.run_id) if board is not None else None)
     dog = Watchdog([], board, stall_timeout_s)  # watching from here: the source's tasks may wait for CPUs too
+    committer = None
+    if opts.iceberg is not None:  # result rows come back: this driver commits them, a snapshot at a time
+        committer = IcebergCommitter(opts.iceberg, opts.run_id, opts.rows_per_file, opts.commit_interval_s,
+                                     lambda: check_lock_owner(opts.output, opts.run_id))
     try:
         with dog:
             source = source_dataset(plan.pending, opts)  # before the replicas take their CPUs (its docstring)
@@ -456,8 +520,17 @@ def execute(plan: RunPlan, opts: PipelineOptions, on_progress: Callable[[Progres
                 dog.replicas = replicas
                 for batch in build_pipeline(source, opts, replicas, note).iter_batches(batch_size=None,
                                                                                        batch_format="pyarrow"):
+                    if committer is not None:
+                        batch = committer.add(batch)
                     _count(batch, totals, metrics, plan, opts, swapped)
                     dog.rows(batch.num_rows)
+                    if on_progress:
+                        on_progress(totals.progress)
+                if committer is not None:
+                    flushed = committer.flush()
+                    _count(flushed, totals, metrics, plan, opts, swapped)
+                    dog.rows(flushed.num_rows)
+                    totals.replaced += committer.replaced
                     if on_progress:
                         on_progress(totals.progress)
     except StallInterrupt:
@@ -556,8 +629,11 @@ def _with_absolute_paths(spec: JobSpec) -> JobSpec:
     model = spec.model
     if os.path.isdir(model.source):
         model = model.model_copy(update={"source": os.path.abspath(model.source)})
+    table = spec.input.table
+    if table is not None and table.uri:
+        table = table.model_copy(update={"uri": _absolute(table.uri)})
     return spec.model_copy(update={
-        "input": spec.input.model_copy(update={"uri": _absolute(spec.input.uri)}),
+        "input": spec.input.model_copy(update={"uri": spec.input.uri and _absolute(spec.input.uri), "table": table}),
         "output": spec.output.model_copy(update={"uri": _absolute(spec.output.uri)}),
         "model": model,
     })
@@ -568,9 +644,12 @@ def _run_here(spec: JobSpec, run_id: str, address: str | None, retry_statuses: t
               model_info: ModelInfo | None = None) -> RunResult:
     start = time.perf_counter()
     opts = pipeline_options(spec, run_id)
-    check_output_outside_input(opts.input, opts.output)
+    if opts.table is None:
+        check_output_outside_input(opts.input, opts.output)
     with OutputLock(opts.output, run_id) as lock:  # before Ray starts: a busy or conflicting output fails in a second
-        check_manifest(opts.output, output_settings(spec))
+        check_output_table(opts)
+        check_manifest(opts.output, output_settings(spec),
+                       has_rows=None if opts.iceberg is None else bool(read_table_index(opts.iceberg).num_rows))
         plan = plan_run(opts, spec.input.include, spec.input.exclude, retry_statuses=retry_statuses,
                         previous_owner=lock.took_over_from)
         connected = ""
@@ -607,6 +686,18 @@ def _run_here(spec: JobSpec, run_id: str, address: str | None, retry_statuses: t
     return RunResult(run_id, report, report_uri)
 
 
+def check_output_table(opts: PipelineOptions) -> None:
+    """Iceberg output: the catalog answers and the table exists (created now when absent), before any work; the
+    output folder records which table its runs write (`show`)."""
+    if opts.iceberg is None:
+        return
+    try:
+        opts.iceberg.load(OUTPUT_SCHEMA)
+    except ValueError as e:  # IcebergOutputError, and pyiceberg's own for bad catalog properties
+        raise UsageError(f"output.table {opts.iceberg.table}: {e}") from None
+    write_description(opts.iceberg)
+
+
 def distribution(values: list[float]) -> dict[str, float | None]:
     """count, mean, min, p10, p50, p90, max of `values` (nearest-rank percentiles); None entries when empty."""
     if not values:
@@ -631,7 +722,7 @@ def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_ad
         job_name=spec.name,
         model=spec.model.source,
         task=spec.task.kind,
-        input_uri=spec.input.uri,
+        input_uri=spec.input.source_uri(),
         output_uri=spec.output.uri,
         ray_address=ray_address,
         finished_at=datetime.now(UTC).isoformat(),
@@ -658,13 +749,16 @@ def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_ad
         stage_seconds=totals.stage_seconds,
         job=spec.model_dump(
             mode="json",
-            exclude={"input": {"storage_options"}, "output": {"storage_options"}, "model": {"storage_options"}},
+            # credentials: fsspec options and Iceberg catalog properties stay out of the report
+            exclude={"input": {"storage_options": True, "table": {"catalog"}}, "output": {"storage_options", "catalog"},
+                     "model": {"storage_options"}},
         ),
         mean_logprob=distribution(totals.mean_logprobs),
         decode_from_checkpoint=model_info.decode_sources,
         preview_operator=model_info.preview,
         resources=resources.to_json() if resources else {},
         stall=dataclasses.asdict(stall) if stall else None,
+        changed=plan.changed,
     )
 
 

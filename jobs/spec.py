@@ -21,9 +21,69 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class TableSpec(_Strict):
+    """A table of documents (connectors/tables.py): one row per document, instead of a folder listing."""
+
+    format: Literal["parquet", "json", "csv", "iceberg"] = Field(
+        description="parquet, json (JSON Lines), csv: files read with pyarrow; iceberg: a table in a pyiceberg "
+        "catalog (`identifier` and `catalog`)."
+    )
+    uri: str | None = Field(
+        default=None,
+        description="parquet, json, csv: a file or a folder of such files (local path or fsspec URI; "
+        "input.storage_options apply).",
+    )
+    identifier: str | None = Field(default=None, description="iceberg: the table, `namespace.name`.")
+    catalog: dict[str, Any] = Field(
+        default={},
+        description="iceberg: pyiceberg catalog properties (type: rest | glue | hive | sql, uri, warehouse, "
+        "credentials...), as pyiceberg's load_catalog takes them.",
+    )
+    id_column: str = Field(
+        default="id",
+        description="The document's identity: its output row's doc_id (as a string). Must be present, non-null and "
+        "unique, else the job is refused.",
+    )
+    text_column: str | None = Field(
+        default=None,
+        description="Column holding the document's text (strings), run as it is (no parsing). A row whose text "
+        "changed since its result was written is run again and its row replaced. Default `text` when "
+        "`uri_column` is not set; a null or empty text gives the row status `empty`.",
+    )
+    uri_column: str | None = Field(
+        default=None,
+        description="Column holding each document's URI: the file is read and parsed like a listed file, with "
+        "every input option (pdf_text, ocr, max_pages...). A changed file (etag, else mtime and size) is run "
+        "again and its row replaced.",
+    )
+
+    @model_validator(mode="after")
+    def _source(self) -> TableSpec:
+        if self.format == "iceberg":
+            if not self.identifier or self.uri:
+                raise ValueError("format iceberg takes `identifier` (namespace.name) and `catalog`, not `uri`")
+        elif not self.uri or self.identifier:
+            raise ValueError(f"format {self.format} takes `uri` (a file or folder), not `identifier`")
+        if self.text_column and self.uri_column:
+            raise ValueError("give text_column or uri_column, not both")
+        return self
+
+    @property
+    def column(self) -> str:
+        """The text or URI column read for each document."""
+        return self.uri_column or self.text_column or "text"
+
+
 class InputSpec(_Strict):
-    uri: str = Field(
-        description="Folder (or single file) holding the documents: a local path, s3://, gs://, az:// or memory:// URI."
+    uri: str | None = Field(
+        default=None,
+        description="Folder (or single file) holding the documents: a local path, s3://, gs://, az:// or memory:// "
+        "URI. Give this or `table`.",
+    )
+    table: TableSpec | None = Field(
+        default=None,
+        description="A table of documents (Parquet, JSON Lines, CSV or Iceberg) with an id column and a text or "
+        "URI column, instead of a folder. Give this or `uri`.",
     )
     include: list[str] = Field(
         default=["*"],
@@ -100,16 +160,60 @@ class InputSpec(_Strict):
         "(documents that only shared the process with it run again, alone, and are not charged).",
     )
 
+    @model_validator(mode="after")
+    def _one_source(self) -> InputSpec:
+        if (self.uri is None) == (self.table is None):
+            raise ValueError("give input.uri (a folder of documents) or input.table (a table of them), not both")
+        return self
+
+    def source_uri(self) -> str:
+        """What the documents come from: the folder, the table's files, or `iceberg:<identifier>`."""
+        if self.table is None:
+            return self.uri or ""
+        return self.table.uri or f"iceberg:{self.table.identifier}"
+
 
 class OutputSpec(_Strict):
-    uri: str = Field(description="Folder for the Parquet result parts and run reports (local path or URI).")
+    uri: str = Field(
+        description="Folder for the Parquet result parts and run reports (local path or URI). With format iceberg it "
+        "holds the run's lock, _job.json and _reports/ (and, by default, the embedded catalog and its warehouse)."
+    )
+    format: Literal["parquet", "iceberg"] = Field(
+        default="parquet",
+        description="parquet: committed parts in `uri`. iceberg: rows upserted on doc_id into the Iceberg table "
+        "`table`, one snapshot per committed batch (connectors/iceberg.py).",
+    )
+    table: str | None = Field(default=None, description="format iceberg: the table, `namespace.name`.")
+    catalog: dict[str, Any] = Field(
+        default={},
+        description="format iceberg: pyiceberg catalog properties (type: rest | glue | hive | sql, uri, warehouse, "
+        "credentials...). Empty: a SQL catalog on `<uri>/catalog.db` (SQLite) with warehouse `<uri>/warehouse`.",
+    )
     storage_options: dict[str, Any] = Field(default={}, description="fsspec options for the output filesystem.")
     rows_per_file: int = Field(
         default=64,
         gt=0,
-        description="Rows per committed Parquet part. Smaller parts lose "
+        description="Rows per committed Parquet part (or Iceberg snapshot). Smaller parts lose "
         "less work when a run is killed; larger ones make fewer files.",
     )
+
+    commit_interval_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="format iceberg: the driver commits the rows that came back as one snapshot once at least "
+        "rows_per_file are waiting and this many seconds have passed since the last commit (and at the end). A "
+        "snapshot per few seconds keeps the table's metadata small; a killed run loses at most this much work. "
+        "0: a snapshot per rows_per_file rows.",
+    )
+
+    @model_validator(mode="after")
+    def _table(self) -> OutputSpec:
+        if self.format == "iceberg":
+            if not self.table or not re.fullmatch(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)+", self.table):
+                raise ValueError("format iceberg needs `table` as namespace.name (letters, digits, _)")
+        elif self.table or self.catalog:
+            raise ValueError("`table` and `catalog` are for format iceberg")
+        return self
 
 
 class ModelSpec(_Strict):

@@ -2,6 +2,9 @@
 
     listed documents -> read -> parse -> tokenize -> infer (replica actors) -> postprocess -> write parts -> stats
 
+A table's text column replaces read and parse by one stage that takes the text as it is; an Iceberg output replaces
+the write stage by one that hands the rows back to the driver, which commits them (pipeline/table_stages.py).
+
 The infer stage is a task per Ray batch in flight, each handing its batch to one of the run's replica actors
 (pipeline/replicas.py); a replica is async: several Ray batches are in flight at it and feed one continuous-batching
 engine.
@@ -18,11 +21,13 @@ reads it to check that at least one of each can run beside the replicas, and may
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import ray
 from clover_batch.connectors.fs import Location
+from clover_batch.connectors.iceberg import IcebergTarget
+from clover_batch.connectors.tables import TableInput
 from clover_batch.pipeline.progress import NO_PROGRESS, ProgressNote
 from clover_batch.pipeline.replicas import InferCall, batches_in_flight
 from clover_batch.pipeline.rows import work_table
@@ -35,6 +40,7 @@ from clover_batch.pipeline.stages import (
     TokenizeStage,
     WriteStage,
 )
+from clover_batch.pipeline.table_stages import ResultStage, TextStage
 
 if TYPE_CHECKING:
     from clover_batch.model import DecodeOptions
@@ -75,6 +81,9 @@ class PipelineOptions:
     prep_num_cpus: float = PREP_NUM_CPUS  # CPU share of one read/parse/tokenize task (the resource plan's)
     prep_concurrency: int | None = None  # most cheap-stage tasks at once; None: 2 per replica
     rank_num_cpus: float = RANK_NUM_CPUS  # CPU share of one expert-parallel worker rank (the resource plan's)
+    iceberg: IcebergTarget | None = None  # output.format iceberg: the driver commits the rows there
+    commit_interval_s: float = 10.0  # Iceberg: least seconds between two snapshots (pipeline/table_stages.py)
+    table: TableInput | None = None  # input.table: documents from a table instead of a folder listing
 
 
 def task_cpus(opts: PipelineOptions) -> dict[str, float]:
@@ -118,14 +127,26 @@ def build_pipeline(source: ray.data.Dataset, opts: PipelineOptions, replicas: li
     # A task per block at the replicas (its Ray batches all in flight at once), enough to fill their slots; a task
     # waiting on a replica holds no CPU.
     infer_tasks = ray.data.TaskPoolStrategy(size=min(len(blocks), opts.replicas * batches_in_flight(opts)))
+    # a table's text column (connectors/tables.py): nothing to read or parse
+    texts = opts.table is not None and opts.table.uri_column is None
+    ds = ds.map_batches(TextStage(), **prep) if texts else read_and_parse(ds, opts, prep, progress)
+    ds = (
+        ds.map_batches(TokenizeStage(opts.model, opts.task, opts.max_input_tokens, progress), **prep)
+        .map_batches(InferCall(replicas, opts.batch_size), batch_size=None, num_cpus=cpus["infer"],
+                     compute=infer_tasks, **fmt)
+        .map_batches(PostprocessStage(opts.model, opts.task, opts.job_name, opts.run_id, progress), **post)
+    )
+    if opts.iceberg is not None:  # the driver commits the rows (connectors/iceberg.py)
+        return ds.map_batches(ResultStage(), **{**post, "batch_size": opts.rows_per_file})
+    return ds.map_batches(WriteStage(opts.output, opts.run_id, progress), **{**post, "batch_size": opts.rows_per_file})
+
+
+def read_and_parse(ds: ray.data.Dataset, opts: PipelineOptions, prep: dict[str, Any],
+                   progress: ProgressNote = NO_PROGRESS) -> ray.data.Dataset:
+    """The file stages: each document's bytes, then its text."""
     return (
         ds.map_batches(ReadStage(opts.input.storage_options, opts.max_file_bytes, progress), **prep)
         .map_batches(ParseStage(opts.fallback_encoding, opts.parse_timeout_s, opts.max_pages, pdf_text=opts.pdf_text,
                                 ocr=opts.ocr, max_unpacked_bytes=opts.max_file_bytes, progress=progress,
                                 pages_per_task=opts.pages_per_task, range_cpus=opts.prep_num_cpus), **prep)
-        .map_batches(TokenizeStage(opts.model, opts.task, opts.max_input_tokens, progress), **prep)
-        .map_batches(InferCall(replicas, opts.batch_size), batch_size=None, num_cpus=cpus["infer"],
-                     compute=infer_tasks, **fmt)
-        .map_batches(PostprocessStage(opts.model, opts.task, opts.job_name, opts.run_id, progress), **post)
-        .map_batches(WriteStage(opts.output, opts.run_id, progress), **{**post, "batch_size": opts.rows_per_file})
     )
