@@ -229,7 +229,7 @@ class Engine:
             raise ValueError(f"prefill_tokens_per_step must be >= 1, got {self.prefill_budget}")
         self.decode_steps_per_prefill = decode_steps_per_prefill
         self.merge_commits = (model.device.type == "cuda") if merge_commits is None else merge_commits
-        self.merge_commits = self.merge_commits and self.diffusion  # a diffusion block's commit only
+        self.merge_commits = self.merge_commits and not self.verified  # verified commits by a packed forward
         self.page_size = page_size
         # the most tokens one forward writes per row: a prefill chunk, or a merged commit's two blocks
         self.max_forward = max(self.chunk, 2 * self.block_size)
