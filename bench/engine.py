@@ -565,7 +565,7 @@ def part_verified(args) -> list[str]:
         lines.append(f"  {rows:4d} {tokens / ar_s:9.1f} {tokens / ve_s:9.1f} {ar_s / ve_s:8.2f}x {ar_f:10.2f} "
                      f"{ve_f:11.2f} {1 - ve_f / ar_f:8.0%} {ve_e.stats.accepted_tokens / blocks:10.2f} "
                      f"{ve_e.stats.full_blocks / blocks:6.0%} {f'{same}/{rows}':>9}")
-        log.info("verified %d rows done", rows)
+        log.info("verified: %s", lines[-1].strip())  # each row count's line as soon as it is measured
     lines.append("  fwd/tok: decode forwards per generated token of one row (verified: previews, the check and the "
                  "commit; autoregressive: 1); fwd saved: 1 - verified's / autoregressive's; a step of many rows "
                  "runs their forwards together, so engine forwards are fewer than the rows' sum")
