@@ -9,9 +9,11 @@ with the example jobs' own prompts, for thresholds 0.95, 0.9, 0.7, 0.5 and fixed
 - extraction: field exact match (the answer checked as the pipeline checks it, each field compared with the
   document's value; a refused answer matches no field) and whole-answer exact match;
 - summary: exact match and token-level similarity with the target (1 - token edit distance / longer length);
-- tokens per step (denoising steps) and per decode forward (steps + block commits; the engine commits a finished
-  block in the next step's forward, one forward per row either way), and decode tokens/s: tokens generated / wall
-  time of the engine's decode steps (prefill excluded; the same batches of --batch documents for every mode);
+- tokens per step (denoising steps) and per decode forward (Generation.decode_forwards: steps + block commits; the
+  engine commits a finished block in the next step's forward, one forward per row either way; verified: preview,
+  check and commit forwards), decode tokens/s: tokens generated / wall time of the engine's decode steps (prefill
+  excluded; the same batches of --batch documents for every mode), and wall seconds per document (prefill and
+  decode, both tasks);
 - logp: the outputs' mean log-probability per token under the model's causal trunk (Generation.mean_logprob,
   token-weighted), for models whose causal logits score the next token (logits_shift: Clover's layout).
 
@@ -19,6 +21,9 @@ Baselines: k = 1 on the same model and engine (one token filled per denoising st
 and, for a model whose causal trunk scores the next token, `ar`: its trunk decoding one token per forward
 (`DecodeOptions.mode="autoregressive"`), the exact model that diffusion decoding approximates; a model that
 predicts each position from itself (logits_shift false) has no such trunk, and `ar` is skipped for it.
+
+`verified` (`mode="verified"`, drafts at threshold 0.9) must give `ar`'s outputs token for token: the report says
+how many of its outputs equal `ar`'s, its tokens kept per checked block and its share of blocks fully accepted.
 
 Long documents: held-out documents whose facts all lie more than `window_tokens` before the answer (the attention
 window cannot see them; only the carried Gated DeltaNet state can) are scored separately.
@@ -48,7 +53,9 @@ log = logging.getLogger("bench.diffusion_quality")
 MODES = {"ar": {"mode": "autoregressive"},
          "t0.95": {"threshold": 0.95}, "t0.9": {"threshold": 0.9}, "t0.7": {"threshold": 0.7},
          "t0.5": {"threshold": 0.5}, "k1": {"tokens_per_step": 1}, "k2": {"tokens_per_step": 2},
-         "k4": {"tokens_per_step": 4}, "k8": {"tokens_per_step": 8}}
+         "k4": {"tokens_per_step": 4}, "k8": {"tokens_per_step": 8},
+         "verified": {"mode": "verified", "threshold": 0.9}, "ver-k4": {"mode": "verified", "tokens_per_step": 4}}
+EXACT = ("ar", "verified", "ver-k4")  # modes whose output is the causal trunk's greedy output
 
 
 @dataclass
@@ -67,6 +74,11 @@ class Tally:
     per_field: dict[str, int] = field(default_factory=dict)
     logprob: float = 0.0  # summed over the tokens of generations that have a mean_logprob
     scored: int = 0
+    wall_seconds: float = 0.0  # generate() calls, prefill and decode
+    outputs: list[list[int]] = field(default_factory=list)
+    blocks: int = 0  # verified: blocks checked, tokens they kept, blocks fully accepted
+    accepted: int = 0
+    full_blocks: int = 0
 
 
 def logp(*tallies: Tally) -> str:
@@ -84,25 +96,28 @@ def beyond_window(maker: PairMaker, doc: Document, task: str, window: int) -> bo
 def run_mode(model, maker: PairMaker, docs: list[Document], task: str, options: dict, batch: int,
              max_new_tokens: int, merge_commits: bool = False) -> Tally:
     cfg = model.config
-    bs, chunk = cfg.diffusion.block_size, cfg.prefill_chunk_tokens
     tally = Tally(per_field=dict.fromkeys(EXTRACT_FIELDS, 0))
     for start in range(0, len(docs), batch):
         part = docs[start:start + batch]
         prompts = [maker.prompt(d, task) for d in part]
+        t0 = time.perf_counter()
         gens = generate(model, prompts, max_new_tokens=max_new_tokens, temperature=0.0,
                         merge_commits=merge_commits, **options)
+        tally.wall_seconds += time.perf_counter() - t0
         # each sequence's decode_seconds is its share of the decode steps it took part in: their sum is the
         # batch's decode wall time (prefill steps excluded)
         tally.decode_seconds += sum(g.decode_seconds for g in gens)
-        for doc, prompt, g in zip(part, prompts, gens, strict=True):
-            prefilled = len(prompt) if options.get("mode") == "autoregressive" else (len(prompt) // bs) * bs
-            prefill_forwards = -(-prefilled // chunk)
+        for doc, g in zip(part, gens, strict=True):
+            tally.outputs.append(g.tokens)
+            tally.blocks += g.verified_blocks
+            tally.accepted += g.accepted_tokens
+            tally.full_blocks += g.full_blocks
             if g.mean_logprob is not None:
                 tally.logprob += g.mean_logprob * len(g.tokens)
                 tally.scored += len(g.tokens)
             tally.tokens += len(g.tokens)
             tally.steps += g.denoising_steps
-            tally.decode_forwards += g.forward_passes - prefill_forwards
+            tally.decode_forwards += g.decode_forwards
             text = maker.builder.decode(g.tokens)
             tally.answers += 1
             if task == "extract":
@@ -151,8 +166,9 @@ def main() -> None:
     rows = []
     shifted = model.config.diffusion.logits_shift
     for name in args.modes:
-        if name == "ar" and not shifted:
-            log.info("ar skipped: this model predicts each position from itself (logits_shift false): no trunk")
+        if name in EXACT and not shifted:
+            log.info("%s skipped: this model predicts each position from itself (logits_shift false): no trunk",
+                     name)
             continue
         start = time.perf_counter()
         ext = run_mode(model, maker, docs, "extract", MODES[name], args.batch, args.max_new_tokens,
@@ -171,7 +187,7 @@ def main() -> None:
              f"{'commits merged into the next step, ' if args.merge_commits else ''}"
              f"load average before {load_before[0]:.1f}",
              f"{'mode':6} {'fields':>7} {'JSON ok':>7} {'long':>7} {'summ ==':>7} {'summ sim':>8} "
-             f"{'tok/step':>8} {'tok/fwd':>7} {'tok/s':>7} {'vs k=1':>7} {'logp':>7}"]
+             f"{'tok/step':>8} {'tok/fwd':>7} {'tok/s':>7} {'vs k=1':>7} {'logp':>7} {'s/doc':>6}"]
     for name, ext, summ in rows:
         tokens = ext.tokens + summ.tokens
         rate = tokens / (ext.decode_seconds + summ.decode_seconds)
@@ -180,11 +196,24 @@ def main() -> None:
             f"{name:6} {100 * ext.fields_ok / ext.fields:6.1f}% {100 * ext.answers_ok / ext.answers:6.1f}% "
             f"{long:>7} {100 * summ.answers_ok / summ.answers:6.1f}% {summ.similarity / summ.answers:8.3f} "
             f"{tokens / (ext.steps + summ.steps):8.2f} {tokens / (ext.decode_forwards + summ.decode_forwards):7.2f} "
-            f"{rate:7.1f} {f'{rate / base_rate:6.2f}x' if base_rate else '-':>7} {logp(ext, summ):>7}")
+            f"{rate:7.1f} {f'{rate / base_rate:6.2f}x' if base_rate else '-':>7} {logp(ext, summ):>7} "
+            f"{(ext.wall_seconds + summ.wall_seconds) / ext.answers:6.2f}")
     lines.append("fields: extraction field exact match; JSON ok: every field right; long: field exact match on the "
                  f"{n_long} documents whose facts are all beyond the window; summ ==: summary exact match; summ sim: "
                  "token similarity; tok/fwd: tokens per decode forward (steps + commits); tok/s: decode tokens/s; "
-                 "logp: mean log-probability per output token under the causal trunk")
+                 "logp: mean log-probability per output token under the causal trunk; s/doc: wall seconds per "
+                 "document, both tasks")
+    ar = next((r for r in rows if r[0] == "ar"), None)
+    for name, ext, summ in rows:
+        blocks = ext.blocks + summ.blocks
+        if not blocks:
+            continue
+        same = ""
+        if ar is not None:
+            pairs = zip(ar[1].outputs + ar[2].outputs, ext.outputs + summ.outputs, strict=True)
+            same = f", outputs equal to ar's: {sum(a == b for a, b in pairs)}/{len(ext.outputs) + len(summ.outputs)}"
+        lines.append(f"{name}: {blocks} blocks checked, {(ext.accepted + summ.accepted) / blocks:.2f} tokens kept "
+                     f"per block, {100 * (ext.full_blocks + summ.full_blocks) / blocks:.1f}% fully accepted{same}")
     for name, ext, _ in rows:
         lines.append(f"per field, {name}: " + ", ".join(f"{f} {100 * ext.per_field[f] / ext.answers:.0f}%"
                                                         for f in EXTRACT_FIELDS))

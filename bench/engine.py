@@ -35,6 +35,12 @@ Parts:
 - steps: decode step time with 1K vs 16K committed tokens per slot (8 slots, window 32K, diffusion k=4), and the
   share of the step spent copying state: every aten op that copies from or into the slot buffers (clone, copy_,
   index_copy_, scatter_, cat, index_select, ...) is timed inside the step, against the step's plain wall time.
+- verified: decode of `mode: verified` (drafts at threshold 0.9, or k=4 with --verified-k) against autoregressive
+  decoding at 1, 16 and 64 rows (--verified-rows), on `--verified-model` (default the bench-clover preset; a
+  trained checkpoint such as the demo's shows what acceptance buys), prompts of 64 tokens, stop tokens off, the two
+  modes taking turns rep by rep: decode tokens/s of each and their ratio (CPU), decode forwards per token of each
+  and the forwards verified saves (what carries over to a GPU, where a decode forward costs reading the weights
+  whatever its tokens), tokens kept per block, and whether the outputs are identical (they must be).
 """
 
 from __future__ import annotations
@@ -528,6 +534,44 @@ def part_reads(args) -> list[str]:
     return lines
 
 
+def part_verified(args) -> list[str]:
+    model = load_model(args.verified_model, seed=0)
+    draft = {"tokens_per_step": args.verified_k} if args.verified_k else {"threshold": 0.9}
+    modes = {"autoregressive": DecodeOptions(mode="autoregressive", stop_token_ids=(),
+                                             max_new_tokens=args.new_tokens),
+             "verified": DecodeOptions(mode="verified", stop_token_ids=(), max_new_tokens=args.new_tokens, **draft)}
+    gen = torch.Generator().manual_seed(5)
+    lines = [f"verified vs autoregressive decode, {args.verified_model} ({model.config.diffusion.block_size}-token "
+             f"blocks, drafts {draft}), prompts of 64 tokens, {args.new_tokens} new tokens, best of {args.reps}:",
+             f"  {'rows':>4} {'AR tok/s':>9} {'ver tok/s':>9} {'CPU ratio':>9} {'AR fwd/tok':>10} "
+             f"{'ver fwd/tok':>11} {'fwd saved':>9} {'kept/block':>10} {'full':>6} {'identical':>9}"]
+    for rows in args.verified_rows:
+        prompts = torch.randint(3, 256, (rows, 64), generator=gen).tolist()
+        best: dict[str, tuple[float, Engine, dict]] = {}
+        for _ in range(args.reps):
+            for name, options in modes.items():  # the modes take turns
+                engine = Engine(model, options, max_slots=rows)
+                for i, p in enumerate(prompts):
+                    engine.add(Request(str(i), p))
+                out = drain(engine)
+                if name not in best or engine.stats.decode_seconds < best[name][0]:
+                    best[name] = (engine.stats.decode_seconds, engine, out)
+        (ar_s, _, ar_out), (ve_s, ve_e, ve_out) = best["autoregressive"], best["verified"]
+        tokens = sum(len(g.tokens) for g in ar_out.values())
+        same = sum(ar_out[k].tokens == ve_out[k].tokens for k in ar_out)
+        ar_f = sum(g.decode_forwards for g in ar_out.values()) / tokens
+        ve_f = sum(g.decode_forwards for g in ve_out.values()) / tokens
+        blocks = ve_e.stats.verified_blocks
+        lines.append(f"  {rows:4d} {tokens / ar_s:9.1f} {tokens / ve_s:9.1f} {ar_s / ve_s:8.2f}x {ar_f:10.2f} "
+                     f"{ve_f:11.2f} {1 - ve_f / ar_f:8.0%} {ve_e.stats.accepted_tokens / blocks:10.2f} "
+                     f"{ve_e.stats.full_blocks / blocks:6.0%} {f'{same}/{rows}':>9}")
+        log.info("verified: %s", lines[-1].strip())  # each row count's line as soon as it is measured
+    lines.append("  fwd/tok: decode forwards per generated token of one row (verified: previews, the check and the "
+                 "commit; autoregressive: 1); fwd saved: 1 - verified's / autoregressive's; a step of many rows "
+                 "runs their forwards together, so engine forwards are fewer than the rows' sum")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench", help="diffusion preset; PRESET-ar is its autoregressive twin")
@@ -543,6 +587,10 @@ def main() -> None:
     ap.add_argument("--step-lengths", type=int, nargs="+", default=[1024, 16384])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--verified-model", default="bench-clover", help="verified: a Clover-layout preset or checkpoint")
+    ap.add_argument("--verified-rows", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--verified-k", type=int, default=None, help="verified: draft k tokens per step (default: "
+                                                                 "threshold 0.9)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     kernels.model_threads(args.threads)
@@ -552,7 +600,7 @@ def main() -> None:
     for part in args.parts:
         parts = {"mixed": part_mixed, "ar16": part_ar16, "prefill": part_prefill, "capacity": part_capacity,
                  "mixing": part_mixing,
-                 "steps": part_steps, "layout": part_layout, "reads": part_reads}
+                 "steps": part_steps, "layout": part_layout, "reads": part_reads, "verified": part_verified}
         lines += [*parts[part](args), ""]
     print("\n".join(lines))  # the report is this script's output
 

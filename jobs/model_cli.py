@@ -183,11 +183,27 @@ def architecture_table(source: str) -> Table:
         else:
             rows.append(("preview", "the model's own forward over the block (block-causal attention, causal GDN)",
                          "preview_operator trunk"))
+    rows.append(("decode modes", decode_modes(cfg), "block settings, logits_shift"))
     rows.append(("kernels", kernels.describe(),
                  f"{kernels.KERNELS_ENV}=torch|fla|auto, {kernels.ATTENTION_ENV}=dense|flex|auto choose"))
     for field, value, where in rows:
         table.add_row(field, value, where)
     return table
+
+
+def decode_modes(cfg) -> str:
+    """`model inspect`'s line on the decode modes this model allows: what each guarantees and costs."""
+    d = cfg.diffusion
+    if d is None:
+        return "autoregressive only (one token per forward)"
+    if not d.logits_shift:
+        return ("diffusion only: the causal logits do not score the next token (logits_shift false), so neither "
+                "autoregressive nor verified applies")
+    return ("diffusion (threshold or k tokens per step: fastest, output differs from the trunk's where the preview "
+            "does); autoregressive (the causal trunk, exact, one token per forward); verified (the trunk's "
+            "autoregressive output token for token, greedy only; per block the preview's forwards, one check and "
+            "one commit, so it saves forwards only where the preview agrees with the trunk for several tokens: "
+            "pick it for extraction, where every value must be the trunk's)")
 
 
 @model_app.command("inspect")

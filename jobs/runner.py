@@ -145,6 +145,9 @@ class RunReport:
     decode_from_checkpoint: dict[str, str] = field(default_factory=dict)  # decode field -> checkpoint file:key
     # how denoising steps were computed: piece -> "exact: source" or "reading: source" (model/preview.py)
     preview_operator: dict[str, str] = field(default_factory=dict)
+    # decode forwards of the ok rows and their output tokens per forward (preview, check and commit forwards all
+    # counted); decode.mode verified: blocks checked, tokens kept per block, share of blocks fully accepted
+    decoding: dict[str, float | None] = field(default_factory=dict)
     changed: int = 0  # input.table: listed documents whose text (or file) changed since their row; run again
 
     @property
@@ -480,6 +483,9 @@ class RunTotals:
     output_tokens: int = 0
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*STAGES, "write"), 0.0))
     mean_logprobs: list[float] = field(default_factory=list)  # of the ok rows that have one
+    # ok rows' decode forwards and their output tokens; verified blocks, tokens they kept, blocks fully accepted
+    decoding: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("decode_forwards", "decoded_tokens", "verified_blocks", "accepted_tokens", "full_blocks"), 0))
 
 
 class Stalled(RunStalled):
@@ -553,6 +559,11 @@ def _count(batch: pa.Table, totals: RunTotals, metrics: RunMetrics, plan: RunPla
         totals.output_tokens += row["output_tokens"] or 0
         if row["status"] == "ok" and row["mean_logprob"] is not None:
             totals.mean_logprobs.append(row["mean_logprob"])
+        if row["status"] == "ok" and row["decode_forwards"]:
+            totals.decoding["decode_forwards"] += row["decode_forwards"]
+            totals.decoding["decoded_tokens"] += row["output_tokens"] or 0
+            for key in ("verified_blocks", "accepted_tokens", "full_blocks"):
+                totals.decoding[key] += row[key] or 0
         totals.max_decode_batch = max(totals.max_decode_batch, row["decode_batch"] or 0)
         if row["kernels"]:
             totals.kernels.add(row["kernels"])
@@ -759,7 +770,20 @@ def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_ad
         resources=resources.to_json() if resources else {},
         stall=dataclasses.asdict(stall) if stall else None,
         changed=plan.changed,
+        decoding=decoding_summary(totals.decoding),
     )
+
+
+def decoding_summary(sums: dict[str, int]) -> dict[str, float | None]:
+    """The run report's `decoding`: forwards and tokens per forward, and the verified blocks' acceptance."""
+    forwards, blocks = sums["decode_forwards"], sums["verified_blocks"]
+    return {
+        "decode_forwards": forwards,
+        "output_tokens_per_forward": sums["decoded_tokens"] / forwards if forwards else None,
+        "verified_blocks": blocks,
+        "accepted_tokens_per_block": sums["accepted_tokens"] / blocks if blocks else None,
+        "full_block_share": sums["full_blocks"] / blocks if blocks else None,
+    }
 
 
 class RunStopped(Exception):

@@ -10,6 +10,8 @@ Notable choices:
   per-sequence selection functions (sampling.py): none of the engine's slots, batching, chunking, per-row
   commits or device-side selection. Every block starts on a multiple of block_size, so with block-causal prompt
   attention a denoising step of the engine sees exactly what a full recompute does.
+- Its verified branch checks each drafted token one at a time against a causal forward over everything before it
+  (`_verified_nocache`): the plain statement of the acceptance rule that the engine applies to a block at once.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ def generate_nocache(model: CloverModel, prompt: list[int], options: DecodeOptio
     out: list[int] = []
     forwards = steps = 0
     stopped = ""
+    blocks: list[tuple[int, bool]] = []
 
     def full_logits(ids: list[int], attention: str) -> torch.Tensor:
         nonlocal forwards
@@ -103,7 +106,9 @@ def generate_nocache(model: CloverModel, prompt: list[int], options: DecodeOptio
         return sample_tokens(probs, opt.temperature, generator)
 
     with torch.inference_mode():
-        if not opt.diffusion(cfg):
+        if opt.mode == "verified":
+            out, stopped, forwards, steps, blocks = _verified_nocache(model, prompt, opt, pick)
+        elif not opt.diffusion(cfg):
             while not stopped:
                 tok, _ = pick(full_logits(list(prompt) + out, "causal")[-1:], out)
                 steps += 1
@@ -164,9 +169,66 @@ def generate_nocache(model: CloverModel, prompt: list[int], options: DecodeOptio
                 committed += block
                 block, tail = [mask] * bs, 0
         mean_logprob = trunk_mean_logprob(model, prompt, out, window) if _scores(opt, cfg) and out else None
+    accepted = sum(a for a, _ in blocks) if opt.mode == "verified" else 0
     return Generation(tokens=out, forward_passes=forwards, denoising_steps=steps, prompt_tokens=len(prompt),
                       prefill_seconds=0.0, decode_seconds=0.0, windows=math.ceil(len(prompt) / window),
-                      stopped=stopped, mean_logprob=mean_logprob)
+                      stopped=stopped, mean_logprob=mean_logprob, verified_blocks=len(blocks) if blocks else 0,
+                      accepted_tokens=accepted, full_blocks=sum(full for _, full in blocks) if blocks else 0)
+
+
+def _verified_nocache(model: CloverModel, prompt: list[int], opt: DecodeOptions, pick) -> tuple:
+    """Verified decoding from full recomputes: (tokens, stopped, forwards, preview steps, [(kept, full)] per block).
+
+    A block: its first token is the trunk's greedy choice after everything so far; previews of the block from the
+    causal state of the sequence fill the rest (as a diffusion step does); then, position by position, a drafted
+    token is kept while it is the trunk's choice (one causal forward over everything before it, penalised by the
+    response before it), and the first that is not ends the block."""
+    cfg = model.config
+    d = cfg.diffusion
+    assert d is not None
+    stops, window, bs, mask = set(opt.stops(cfg)), opt.window(cfg), d.block_size, d.mask_token_id
+    out: list[int] = []
+    blocks: list[tuple[int, bool]] = []
+    forwards = steps = 0
+    stopped = ""
+
+    def causal(ids: list[int]):
+        nonlocal forwards
+        forwards += 1
+        logits, state = model(torch.tensor([ids], device=model.device), None, attention="causal",
+                              window_tokens=window)
+        return logits[0].float(), state
+
+    while not stopped:
+        clean, state = causal(list(prompt) + out)
+        tok, _ = pick(clean[-1:], out)
+        block = [int(tok[0])] + [mask] * (bs - 1)
+        limit = min(bs, opt.max_new_tokens - len(out))
+        while any(t == mask for t in block[1:limit]):
+            logits, _ = model(torch.tensor([block], device=model.device), state, preview=True, window_tokens=window)
+            forwards += 1
+            steps += 1
+            step = torch.cat([clean[-1:], logits[0, :-1].float()], dim=0)  # position t predicted from t - 1
+            if opt.penalized:
+                step = penalize(step, out + [t for t in block if t != mask], opt)
+            step[:, mask] = -math.inf
+            tok, conf = sample_tokens(token_distribution(step.cpu(), 0.0, 1.0), 0.0, None)
+            needed = torch.tensor([t == mask for t in block]) & (torch.arange(bs) < limit)
+            needed[0] = False
+            for i in select_positions(conf, needed, opt.threshold, opt.tokens_per_step).nonzero().flatten():
+                block[int(i)] = int(tok[int(i)])
+        kept = 1
+        while kept < limit:
+            trunk, _ = pick(causal(list(prompt) + out + block[:kept])[0][-1:], out + block[:kept])
+            if int(trunk[0]) != block[kept]:
+                break
+            kept += 1
+        blocks.append((kept, kept == limit))
+        new = block[:kept]
+        cut = next((i for i, t in enumerate(new) if t in stops), None)
+        out.extend(new if cut is None else new[:cut])
+        stopped = "eos" if cut is not None else "length" if len(out) >= opt.max_new_tokens else ""
+    return out, stopped, forwards, steps, blocks
 
 
 def _scores(options: DecodeOptions, config) -> bool:

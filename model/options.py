@@ -7,8 +7,11 @@ Notable choices:
 - What depends on the model (the vocabulary, the block size, the decode mode) is checked by `check(config)`, once
   the model is known.
 - Penalties (presence, frequency, repetition) count the response only, never the prompt, as Clover's vendor
-  decoder does (the public record, S4); they change the logits before tokens and confidences are taken, in both
-  modes (sampling.apply_penalties).
+  decoder does (the public record, S4); they change the logits before tokens and confidences are taken, in every
+  mode (sampling.apply_penalties).
+- `verified` asks of the model what `autoregressive` does (causal logits that score the next token) plus a preview
+  to draft with, and is greedy only: its contract is the autoregressive output token for token, and a sampled
+  draft accepted by a sampled check would be another distribution's draw, not that output.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 from .config import CloverConfig
 
-MODES = ("auto", "diffusion", "autoregressive")
+MODES = ("auto", "diffusion", "autoregressive", "verified")
 
 
 def option(default: Any, help: str, **bounds: float) -> Any:
@@ -33,10 +36,10 @@ def option(default: Any, help: str, **bounds: float) -> Any:
 @dataclass(frozen=True)
 class DecodeOptions:
     max_new_tokens: int = option(256, "Most tokens generated per document.", ge=1)
-    threshold: float = option(0.9, "Diffusion: fill every masked position at least this confident in a denoising "
-                                   "step (and at least the most confident one).", gt=0, le=1)
-    tokens_per_step: int | None = option(None, "Diffusion: fill exactly this many positions per step instead of "
-                                               "using the threshold (reproducible speed).", ge=1)
+    threshold: float = option(0.9, "Diffusion and verified drafts: fill every masked position at least this "
+                                   "confident in a denoising step (and at least the most confident one).", gt=0, le=1)
+    tokens_per_step: int | None = option(None, "Diffusion and verified drafts: fill exactly this many positions "
+                                               "per step instead of using the threshold (reproducible speed).", ge=1)
     temperature: float = option(0.0, "Sampling temperature; 0 is greedy.", ge=0)
     top_p: float = option(1.0, "Nucleus sampling mass.", gt=0, le=1)
     seed: int | None = option(None, "Random seed for sampling (temperature > 0); unset: fresh draws each run.")
@@ -45,10 +48,13 @@ class DecodeOptions:
     window_tokens: int | None = option(None, "Override the model's attention window (tokens a full-attention "
                                              "layer looks back).", ge=1)
     prefill_chunk_tokens: int | None = option(None, "Override the tokens per prefill forward pass.", ge=1)
-    mode: typing.Literal["auto", "diffusion", "autoregressive"] = option(
-        "auto", "auto: block diffusion for a diffusion checkpoint, else autoregressive; diffusion; or "
+    mode: typing.Literal["auto", "diffusion", "autoregressive", "verified"] = option(
+        "auto", "auto: block diffusion for a diffusion checkpoint, else autoregressive; diffusion; "
                 "autoregressive (a diffusion checkpoint whose causal logits score the next token, such as Clover, "
-                "then runs its causal trunk one token at a time).")
+                "then runs its causal trunk one token at a time); or verified (such a checkpoint's preview drafts "
+                "a block, by threshold or tokens_per_step, and one causal pass of the trunk keeps the longest "
+                "prefix it agrees with plus its own next token: the autoregressive output exactly, several tokens "
+                "per forward where the preview agrees with the trunk; greedy only).")
     presence_penalty: float = option(0.0, "Subtracted from the logit of every token already in the response (not "
                                           "the prompt).")
     frequency_penalty: float = option(0.0, "Subtracted from a token's logit once per time it is already in the "
@@ -92,7 +98,21 @@ class DecodeOptions:
         if self.mode == "autoregressive" and config.diffusion is not None and not config.diffusion.logits_shift:
             raise ValueError("mode 'autoregressive' needs a model whose causal logits score the next token; this "
                              "diffusion model predicts each position from itself (logits_shift false)")
-        if self.diffusion(config):
+        if self.mode == "verified":
+            if config.diffusion is None:
+                raise ValueError("mode 'verified' drafts blocks with a block-diffusion preview; this model is "
+                                 "autoregressive (use mode 'autoregressive')")
+            if not config.diffusion.logits_shift:
+                raise ValueError("mode 'verified' checks drafts against the causal trunk's next-token choices; this "
+                                 "diffusion model predicts each position from itself (model logits_shift false), so "
+                                 "its trunk has no next-token choice to check against")
+            if self.temperature > 0:
+                raise ValueError(f"mode 'verified' is greedy (its output is the autoregressive greedy output); "
+                                 f"temperature must be 0, got {self.temperature:g}")
+            bs = config.diffusion.block_size
+            if self.tokens_per_step is not None and self.tokens_per_step > bs:
+                raise ValueError(f"tokens_per_step must be in [1, block_size={bs}], got {self.tokens_per_step}")
+        elif self.diffusion(config):
             assert config.diffusion is not None
             bs = config.diffusion.block_size
             if self.tokens_per_step is not None and self.tokens_per_step > bs:

@@ -97,12 +97,13 @@ def select_block_positions(confidence_NT: torch.Tensor, needed_NT: torch.Tensor,
 
 
 def apply_penalties(logits_NTV: torch.Tensor, counts_NV: torch.Tensor, options: DecodeOptions) -> torch.Tensor:
-    """Logits after the response-only penalties, for every row at once (counts: each row's response tokens).
+    """Logits after the response-only penalties, for every row at once (counts: each row's response tokens, [N, V];
+    or [N, T, V], each position's own: a verified block's position t counts the block's tokens before it too).
 
     In vLLM's order: repetition first (CTRL / transformers: where count > 0, a positive logit divided by r, a
     negative one multiplied by r), then frequency (minus f * count) and presence (minus p where count > 0).
     A new tensor (fp32)."""
-    counts = counts_NV[:, None, :]  # [N, 1, V]
+    counts = counts_NV[:, None, :] if counts_NV.dim() == 2 else counts_NV  # [N, 1 or T, V]
     seen = counts > 0
     out = logits_NTV.float()
     if options.repetition_penalty != 1:

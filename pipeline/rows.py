@@ -50,6 +50,12 @@ OUTPUT_SCHEMA = pa.schema(
         ("windows", pa.int32()),  # attention windows the prompt spanned
         ("forward_passes", pa.int64()),
         ("denoising_steps", pa.int64()),
+        ("decode_forwards", pa.int64()),  # forward passes of its decode steps (preview, check and commit forwards)
+        ("tokens_per_forward", pa.float64()),  # output_tokens / decode_forwards
+        # decode.mode verified: tokens each checked block kept (mean), and the share of blocks whose every drafted
+        # token the trunk accepted; null in the other modes
+        ("accepted_per_block", pa.float64()),
+        ("full_block_share", pa.float64()),
         ("stopped", pa.string()),  # eos | length
         ("timings", TIMINGS_TYPE),  # seconds per stage; infer and decode are this document's share of its batch
         ("model", pa.string()),
@@ -68,6 +74,9 @@ WORK_SCHEMA = pa.schema(
         pa.field("output_ids", pa.list_(pa.int32())),  # infer -> postprocess
         pa.field("decode_batch", pa.int32()),  # infer -> stats: most documents decoded together with this one
         pa.field("kernels", pa.string()),  # infer -> stats: the kernels its replica ran (for the run report)
+        pa.field("verified_blocks", pa.int64()),  # infer -> stats: verified blocks checked, tokens they kept, and
+        pa.field("accepted_tokens", pa.int64()),  # blocks fully accepted (for the run report's totals)
+        pa.field("full_blocks", pa.int64()),
         pa.field("replaces", pa.bool_()),  # run --retry-failed: the new row replaces this document's failed one
     ]
 )
@@ -82,6 +91,10 @@ STATS_SCHEMA = pa.schema(
         ("timings", TIMINGS_TYPE),
         ("decode_batch", pa.int32()),
         ("kernels", pa.string()),
+        ("decode_forwards", pa.int64()),
+        ("verified_blocks", pa.int64()),
+        ("accepted_tokens", pa.int64()),
+        ("full_blocks", pa.int64()),
         ("part_uri", pa.string()),
         ("replacement", pa.string()),  # staged path of new rows for retried documents, for the driver's swap_in
         ("write_seconds", pa.float64()),

@@ -101,6 +101,19 @@ def test_tiny_ar_greedy_tokens_match_one_device():
     assert sum(len(w.tokens) for w in want) > 5
 
 
+def test_verified_over_two_ranks_equals_autoregressive_on_one_device():
+    """decode.mode verified with the experts split over two ranks: the autoregressive output of one device, with
+    drafts rejected (the random preview disagrees with the trunk)."""
+    single = load_model("tiny-clover")
+    prompts = [_ids(5, 1, 19, 512)[0].tolist(), _ids(6, 1, 6, 512)[0].tolist()]
+    want = generate(single, prompts, max_new_tokens=14, mode="autoregressive", stop_token_ids=[])
+    with replica("tiny-clover", 2) as r:
+        got = r.generate(prompts, max_new_tokens=14, mode="verified", tokens_per_step=2, stop_token_ids=[])
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    assert all(len(w.tokens) == 14 for w in want)
+    assert sum(g.verified_blocks - g.full_blocks for g in got) > 0
+
+
 @pytest.fixture(scope="module")
 def reference_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("ref-ep")

@@ -97,6 +97,14 @@ def test_inspect_published_preset():
     assert "3.46B (3,455,729,088)" in out  # active per token: 8 of 256 experts
     assert "40: 30 Gated DeltaNet, 10 full attention" in out
     assert "256 routed, top 8, width 512" in out
+    assert "verified (the trunk's autoregressive output token for token, greedy only" in out
+
+
+def test_inspect_says_which_decode_modes_a_model_allows():
+    out = " ".join(invoke("model", "inspect", "tiny").output.split())
+    assert "diffusion only: the causal logits do not score the next token (logits_shift false)" in out
+    out = " ".join(invoke("model", "inspect", "tiny-ar").output.split())
+    assert "autoregressive only (one token per forward)" in out
 
 
 def test_inspect_checkpoint_dir_matches_its_weights(tmp_path):

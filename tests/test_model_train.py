@@ -329,6 +329,10 @@ def test_short_autoregressive_run_learns_the_copy_task(one_thread):
     right = sum(g.tokens == ex.answer[:3] for ex, g in zip(held, gens, strict=True))
     assert curve.losses[-1] < 0.5 * curve.losses[0], curve.losses
     assert right >= 28, (right, curve.losses)
+    # a trained trunk beside an untrained preview (drafts rejected): verified decoding is the trunk's output
+    verified = generate(model, [ex.prompt for ex in held], max_new_tokens=3, mode="verified", tokens_per_step=2)
+    assert [g.tokens for g in verified] == [g.tokens for g in gens]
+    assert sum(g.verified_blocks - g.full_blocks for g in verified) > 0
 
 
 def _stop_at(when: tuple[str, int]):

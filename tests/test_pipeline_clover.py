@@ -63,3 +63,31 @@ def test_a_clover_job_writes_mean_logprob_on_every_ok_row(ray_session, clover_ch
     assert row["output_tokens"] == len(expected.tokens)
     assert row["output_text"] == builder.decode(expected.tokens).strip()
     assert row["mean_logprob"] == pytest.approx(expected.mean_logprob, abs=1e-4)
+
+
+def test_a_verified_job_writes_the_autoregressive_output_and_its_acceptance(ray_session, clover_checkpoint, tmp_path):
+    """decode.mode verified: every ok row's output is the autoregressive one, with the checkpoint's repetition
+    penalty; rows carry their decode forwards and acceptance, and the run report sums them."""
+    docs = tmp_path / "docs"
+    good = write_good_docs(docs)
+    raw = job_raw(str(docs), str(tmp_path / "out"),
+                  model={"source": str(clover_checkpoint), "block_size": 8, "mask_token_id": 259},
+                  decode={"max_new_tokens": 12, "mode": "verified"})
+    report = run(parse_job(raw)).report
+    rows = pq.read_table(str(tmp_path / "out")).to_pylist()
+    assert len(rows) == len(good) and all(r["status"] == "ok" for r in rows)
+
+    model = load_model(str(clover_checkpoint), overrides={"block_size": 8, "mask_token_id": 259})
+    builder = PromptBuilder(str(clover_checkpoint))
+    row = next(r for r in rows if os.path.basename(r["source_uri"]) == "notes.txt")
+    ar = DecodeOptions(max_new_tokens=12, repetition_penalty=1.2, mode="autoregressive")
+    expected = generate(model, [builder.build("Summarize.", (docs / "notes.txt").read_text())], ar)[0]
+    assert row["output_text"] == builder.decode(expected.tokens).strip()
+    for r in rows:
+        assert r["tokens_per_forward"] == pytest.approx(r["output_tokens"] / r["decode_forwards"])
+        assert 1 <= r["accepted_per_block"] <= 8 and 0 <= r["full_block_share"] <= 1
+    blocks = report.decoding["verified_blocks"]
+    assert blocks >= len(rows)
+    assert report.decoding["decode_forwards"] == sum(r["decode_forwards"] for r in rows)
+    assert report.decoding["output_tokens_per_forward"] == pytest.approx(
+        sum(r["output_tokens"] for r in rows) / report.decoding["decode_forwards"])
