@@ -328,7 +328,10 @@ def swap_in(location: Location, staged: str, old_parts: Mapping[str, str], run_i
         replaced = new.take(rows)
         old = pq.read_table(part, filesystem=fs)
         keep = old.filter(pc.invert(pc.is_in(old.column("doc_id"), value_set=replaced.column("doc_id"))))
-        merged = pa.concat_tables([keep, replaced.cast(old.schema)])
+        if old.schema.names == new.schema.names:
+            merged = pa.concat_tables([keep, replaced.cast(old.schema)])
+        else:  # a part written before rows had today's columns (page_sources, the decoding statistics, ...)
+            merged = pa.concat_tables([_with_schema(keep, new.schema), replaced])
         fault_point("swapping")
         check_lock_owner(location, run_id)
         _write_whole(fs, root, part, _parquet_bytes(merged))
@@ -339,6 +342,14 @@ def swap_in(location: Location, staged: str, old_parts: Mapping[str, str], run_i
         written.append(posixpath.join(root, uri.rsplit("/", 1)[-1]))
     fs.rm(staged)
     return written
+
+
+def _with_schema(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table`'s rows in `schema`: its columns cast, nulls for the columns it lacks (an older part's rows, kept
+    beside new rows when a retry rewrites the part, which then takes today's schema)."""
+    n = table.num_rows
+    return pa.table([table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(n, f.type)
+                     for f in schema], schema=schema)
 
 
 def write_report(location: Location, run_id: str, report: dict[str, Any]) -> str:

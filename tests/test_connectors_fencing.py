@@ -290,6 +290,29 @@ def test_swap_in_replaces_each_old_row_in_place(location):
     assert not fs.exists(staged)
 
 
+def test_swap_in_upgrades_a_part_written_before_todays_columns(tmp_path):
+    """A retry after an upgrade: the old part lacks columns rows have now (page_sources, decode_forwards); its kept
+    rows get nulls there, the new row keeps its values, and the part takes today's schema."""
+    out = Location(str(tmp_path / "out"))
+    newer = ("page_sources", "decode_forwards")
+    assert all(name in OUTPUT_SCHEMA.names for name in newer)
+    old_schema = pa.schema([f for f in OUTPUT_SCHEMA if f.name not in newer])
+    with _lock(out, "r1"):
+        write_part(out, _rows(["a", "b"], status="read_error", run="r1").select(old_schema.names), "r1")
+    index = read_index(out)
+    old_parts = dict(zip(index.column("doc_id").to_pylist(), index.column("part").to_pylist(), strict=True))
+    new_row = _rows(["a"], run="r2").to_pylist()[0]
+    new_row.update(decode_forwards=7, page_sources={"markdown": 2, "plain": 0, "ocr": 0, "plain_fallback": 0})
+    with _lock(out, "r2"):
+        swap_in(out, stage_replacement(out, pa.Table.from_pylist([new_row], OUTPUT_SCHEMA), "r2"), old_parts, "r2")
+    table = read_output(out)
+    assert table.schema.names == OUTPUT_SCHEMA.names
+    rows = {r["doc_id"]: r for r in table.to_pylist()}
+    assert (rows["a"]["status"], rows["a"]["run_id"], rows["a"]["decode_forwards"]) == ("ok", "r2", 7)
+    assert rows["a"]["page_sources"]["markdown"] == 2
+    assert (rows["b"]["status"], rows["b"]["decode_forwards"], rows["b"]["page_sources"]) == ("read_error", None, None)
+
+
 def test_swap_killed_midway_leaves_each_document_one_row(tmp_path):
     """SIGKILL after the first of two parts is rewritten: one document has its new row, the other its old one."""
     out = Location(str(tmp_path / "out"))
