@@ -228,6 +228,8 @@ from clover_batch.jobs.runner import run
 from clover_batch.jobs.spec import parse_job
 
 args = json.loads(sys.argv[1])
+# 6 logical CPUs on this 2-core machine, on purpose: two nodes of 3 CPUs, so that each node holds one replica of 2
+# CPUs beside a prep task; what is tested is placement and a checkpoint copy per node, not the machine's capacity
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "resources": {"node_a": 1},
                                                        "env_vars": {"HOME": args["homes"][0]}})
 cluster.add_node(num_cpus=3, resources={"node_b": 1}, env_vars={"HOME": args["homes"][1]})
