@@ -1,6 +1,6 @@
 """clover-batch: batch inference of the Clover block-diffusion MoE model over document collections, on Ray Data.
 
-From Python (README: From Python):
+From Python (docs/tables.md, "From Python"):
 
     import clover_batch, ray
 

@@ -78,16 +78,16 @@ def example_documents() -> tuple[Path, dict[str, Document]]:
     return EXAMPLES / "docs", docs
 
 
-def run_job(job: Path, docs: Path, out: Path, model: str) -> dict[str, dict]:
-    """Run an example job on `docs` into `out`; file name -> its output row."""
+def run_job(job: Path, docs: Path, out: Path, model: str, overrides: list[str] = ()) -> dict[str, dict]:
+    """Run an example job on `docs` into `out` (`overrides`: more `--set` values); file name -> its output row."""
     import pyarrow.parquet as pq
     from clover_batch.jobs.runner import run
     from clover_batch.jobs.spec import load_job
 
-    spec = load_job(str(job), [f"input.uri={docs}", f"output.uri={out}", f"model.source={model}"])
+    spec = load_job(str(job), [f"input.uri={docs}", f"output.uri={out}", f"model.source={model}", *overrides])
     start = time.perf_counter()
     result = run(spec)
-    log.info("%s: %s in %.0f s", job.name, result.exit_code, time.perf_counter() - start)
+    log.info("%s: exit %s in %.0f s", job.name, result.report.exit_code, time.perf_counter() - start)
     rows = pq.read_table(out).to_pylist()
     return {Path(r["source_uri"]).name: r for r in rows}
 
@@ -107,6 +107,8 @@ def main() -> None:
     p.add_argument("--examples", action="store_true", help="score jobs/examples/docs instead of fresh documents")
     p.add_argument("--model", default=str(DEMO_DIR), help="checkpoint folder (default: the demo checkpoint)")
     p.add_argument("--show", type=int, default=5, help="summaries to print beside their targets")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a job field for both jobs (repeatable), e.g. --set decode.mode=verified")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     load = os.getloadavg()[0]
@@ -115,10 +117,13 @@ def main() -> None:
             folder, docs = example_documents()
         else:
             folder, docs = Path(tmp) / "docs", fresh_documents(Path(tmp) / "docs", args.docs)
-        summaries = run_job(SUMMARIZE_JOB, folder, Path(tmp) / "summarize", args.model)
-        extractions = run_job(EXTRACT_JOB, folder, Path(tmp) / "extract", args.model)
+        summaries = run_job(SUMMARIZE_JOB, folder, Path(tmp) / "summarize", args.model, args.overrides)
+        extractions = run_job(EXTRACT_JOB, folder, Path(tmp) / "extract", args.model, args.overrides)
 
-    statuses = Counter(r["status"] for r in [*summaries.values(), *extractions.values()])
+    every = [*summaries.values(), *extractions.values()]
+    statuses = Counter(r["status"] for r in every)
+    forwards = sum(r["decode_forwards"] or 0 for r in every)
+    per_forward = sum(r["output_tokens"] or 0 for r in every) / max(1, forwards)
     fields, fields_long = Counter(), Counter()
     facts: dict[str, list[int]] = {}
     facts_long = [0, 0]
@@ -149,7 +154,9 @@ def main() -> None:
     hit_all = sum(h for h, _ in facts.values())
     total_all = sum(t for _, t in facts.values())
     print(f"\ndemo jobs, {args.model}: {n} {'example' if args.examples else 'fresh'} documents ({long_docs} long), "
-          f"load average before {load:.1f}; rows by status: {dict(statuses)}")
+          f"load average before {load:.1f}; rows by status: {dict(statuses)}"
+          + (f"; settings {' '.join(args.overrides)}" if args.overrides else ""))
+    print(f"decoding: {per_forward:.2f} output tokens per decode forward over both jobs ({forwards} forwards)")
     print(f"extraction: {100 * sum(fields.values()) / (n * len(EXTRACT_FIELDS)):.1f}% of fields exact; "
           + ", ".join(f"{k} {100 * fields[k] / n:.0f}%" for k in EXTRACT_FIELDS)
           + (f"; long documents {100 * sum(fields_long.values()) / (long_docs * len(EXTRACT_FIELDS)):.1f}%"

@@ -1,7 +1,7 @@
 """Short demo-model training runs per recipe variant, side by side: does a change make the model copy sooner?
 
     python bench/demo_recipes.py                                             # the recipe, 600 autoregressive steps
-    python bench/demo_recipes.py base split_capitals=0 --ar-steps 800 --parallel 2 --threads 1
+    python bench/demo_recipes.py base capital_space=isolate --ar-steps 800 --parallel 2 --threads 1
     python bench/demo_recipes.py base bd_ar_weight=0 --ar-steps 800 --bd-steps 200
 
 A full `clover-batch model train-demo` run takes up to two and a half hours on 2 cores; this bench answers the

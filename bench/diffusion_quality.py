@@ -22,8 +22,9 @@ and, for a model whose causal trunk scores the next token, `ar`: its trunk decod
 (`DecodeOptions.mode="autoregressive"`), the exact model that diffusion decoding approximates; a model that
 predicts each position from itself (logits_shift false) has no such trunk, and `ar` is skipped for it.
 
-`verified` (`mode="verified"`, drafts at threshold 0.9) must give `ar`'s outputs token for token: the report says
-how many of its outputs equal `ar`'s, its tokens kept per checked block and its share of blocks fully accepted.
+`verified` (`mode="verified"`, drafts at threshold 0.9; `ver-t0.7` at 0.7, `ver-kN` N positions per preview step,
+`ver-k16` the whole block in one preview) must give `ar`'s outputs token for token: the report says how many of its
+outputs equal `ar`'s, its tokens kept per checked block and its share of blocks fully accepted.
 
 Long documents: held-out documents whose facts all lie more than `window_tokens` before the answer (the attention
 window cannot see them; only the carried Gated DeltaNet state can) are scored separately.
@@ -54,8 +55,11 @@ MODES = {"ar": {"mode": "autoregressive"},
          "t0.95": {"threshold": 0.95}, "t0.9": {"threshold": 0.9}, "t0.7": {"threshold": 0.7},
          "t0.5": {"threshold": 0.5}, "k1": {"tokens_per_step": 1}, "k2": {"tokens_per_step": 2},
          "k4": {"tokens_per_step": 4}, "k8": {"tokens_per_step": 8},
-         "verified": {"mode": "verified", "threshold": 0.9}, "ver-k4": {"mode": "verified", "tokens_per_step": 4}}
-EXACT = ("ar", "verified", "ver-k4")  # modes whose output is the causal trunk's greedy output
+         "verified": {"mode": "verified", "threshold": 0.9}, "ver-t0.7": {"mode": "verified", "threshold": 0.7},
+         "ver-k4": {"mode": "verified", "tokens_per_step": 4}, "ver-k8": {"mode": "verified", "tokens_per_step": 8},
+         "ver-k16": {"mode": "verified", "tokens_per_step": 16}}
+# modes whose output is the causal trunk's greedy output
+EXACT = ("ar", "verified", "ver-t0.7", "ver-k4", "ver-k8", "ver-k16")
 
 
 @dataclass
@@ -186,14 +190,14 @@ def main() -> None:
              f"{model.config.diffusion.block_size}, window {window}, batch {args.batch}, fp32, {args.threads} threads, "
              f"{'commits merged into the next step, ' if args.merge_commits else ''}"
              f"load average before {load_before[0]:.1f}",
-             f"{'mode':6} {'fields':>7} {'JSON ok':>7} {'long':>7} {'summ ==':>7} {'summ sim':>8} "
+             f"{'mode':8} {'fields':>7} {'JSON ok':>7} {'long':>7} {'summ ==':>7} {'summ sim':>8} "
              f"{'tok/step':>8} {'tok/fwd':>7} {'tok/s':>7} {'vs k=1':>7} {'logp':>7} {'s/doc':>6}"]
     for name, ext, summ in rows:
         tokens = ext.tokens + summ.tokens
         rate = tokens / (ext.decode_seconds + summ.decode_seconds)
         long = f"{100 * ext.long_fields_ok / ext.long_fields:6.1f}%" if ext.long_fields else "-"
         lines.append(
-            f"{name:6} {100 * ext.fields_ok / ext.fields:6.1f}% {100 * ext.answers_ok / ext.answers:6.1f}% "
+            f"{name:8} {100 * ext.fields_ok / ext.fields:6.1f}% {100 * ext.answers_ok / ext.answers:6.1f}% "
             f"{long:>7} {100 * summ.answers_ok / summ.answers:6.1f}% {summ.similarity / summ.answers:8.3f} "
             f"{tokens / (ext.steps + summ.steps):8.2f} {tokens / (ext.decode_forwards + summ.decode_forwards):7.2f} "
             f"{rate:7.1f} {f'{rate / base_rate:6.2f}x' if base_rate else '-':>7} {logp(ext, summ):>7} "

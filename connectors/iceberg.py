@@ -235,7 +235,7 @@ def commit_rows(target: IcebergTarget, table: Table, rows: pa.Table, replaced: l
 
 
 def table_stats(target: IcebergTarget) -> dict[str, int]:
-    """Snapshots, data files and rows of the table's current state (bench/sinks.py, README: maintenance)."""
+    """Snapshots, data files and rows of the table's current state (bench/sinks.py, docs/tables.md: maintenance)."""
     table = target.load()
     if table is None or table.current_snapshot() is None:
         return {"snapshots": 0, "data_files": 0, "rows": 0}

@@ -20,10 +20,14 @@ runs. It is meaningful only on documents like the synthetic ones and with those 
 real Clover weights. Its attention window (`window_tokens`) is deliberately small, so a long document's early facts
 reach the answer only through the carried Gated DeltaNet state.
 
-Why the tokenizer isolates a space before a capital: byte-level BPE otherwise makes " Ironwood" (in the text,
-after a space) and "Ironwood" (in the answer, after `["`) two unrelated ids, so copying a party's first word out
-of the document is a per-word mapping to learn rather than a copy; digits were already single tokens, and dates and
-amounts were the fields an autoregressive demo copied while parties stayed at 0%.
+Why the tokenizer attaches a space before a capital to the word before it (`Recipe.capital_space`): a party is
+copied out of the document (`From: Kestrel Energy SRL,`) into a JSON list (`["Kestrel Energy SRL"`), and a copy
+is learned as a lookup: find the current token earlier in the context and emit the one that followed it there.
+GPT-2's byte-level BPE writes `ĠKestrel` in the text and `Kestrel` after `["`, two unrelated ids, so the lookup
+fails from the first word on; a space isolated as its own token makes the words equal but leaves the bare space,
+which is everywhere, as the token before every later word. With the space attached (`KestrelĠ EnergyĠ SRL`) a
+name is the same ids in both places and each word's id names the next, as digits do for dates and amounts, the
+fields the trunk already copied while parties stayed at 0% under both earlier tokenizers (issue 38).
 
 A run saves what resuming needs under OUT/resume every `save_every` steps; `train-demo --resume OUT` continues an
 interrupted run from its last save with the same data order, and the folder is removed when the run completes.
@@ -101,12 +105,9 @@ class Recipe:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     min_lr_ratio: float = 0.05
-    # Step counts: the whole run within 150 minutes on 2 cores. Measured at 1 thread on a 2-core machine at load
-    # ~3.3 (another process busy, so an upper bound for an idle machine at 1 or 2 threads): phase 1 0.85 s/step
-    # on short documents and 1.0 s/step on the mix, phase 2 2.3 s/step (its clean pass runs answer blocks one at a
-    # time, then the noised copies). The committed checkpoint's run (2026-12-05, 1 thread in phase 1, 2 in phase
-    # 2, beside other work at load 2-6): phase 1's 4,500 steps took 83 minutes; phase 2 was cut from 1,000 to 400
-    # steps at the phase boundary to fit that session (a resume may change phases not started yet).
+    # Step counts: the whole run within 150 minutes on 2 cores. Issue 38's measurement, alone on an idle 2-core
+    # machine at 2 threads (`--ar-steps 4500 --bd-steps 1000`): phase 1 took 56 minutes (0.62-0.84 s/step), phase 2
+    # 32 minutes (1.2-2.0 s/step; its clean pass runs answer blocks one at a time, then the noised copies), 89 in all.
     # phase 1: autoregressive, next-token loss on whole sequences
     ar_steps: int = 4500
     ar_lr: float = 3e-3
@@ -114,7 +115,7 @@ class Recipe:
     answer_weight: float = 3.0  # per-token weight of answer tokens (prompt and document tokens: 1)
     short_share: float = 0.6  # first share of phase 1: short documents only (no filler, never long)
     # phase 2: block diffusion from the phase-1 weights
-    bd_steps: int = 400
+    bd_steps: int = 1000
     bd_lr: float = 1e-3
     bd_warmup: int = 30
     bd_ar_weight: float = 0.5  # weight of the autoregressive loss kept beside the block-diffusion loss
@@ -125,7 +126,9 @@ class Recipe:
     long_share: float = 0.2  # share of long documents (facts, then more than a window of log and notes)
     copy_share: float = 0.15  # share of training pairs that are the copy drill (demo_corpus.copy_drill)
     tokenizer_docs: int = 4000  # documents the BPE is trained on
-    split_capitals: bool = True  # the tokenizer isolates a space before a capitalised word (module docstring)
+    # where the tokenizer puts a space before a capitalised word (train_tokenizer): "attach" to the word before it,
+    # "isolate" as a token of its own, "prefix" to the capitalised word (GPT-2's byte-level BPE)
+    capital_space: str = "attach"
     threads: int = 2
     save_every: int = 50  # steps between saves of the resume state
 
@@ -182,17 +185,43 @@ def job_instructions() -> Instructions:
 # ---- tokenizer --------------------------------------------------------------------------------------------------
 
 
-def train_tokenizer(vocab_size: int, docs: int, instructions: Instructions, *, split_capitals: bool = True):
-    """A byte-level BPE on corpus text; digits are single tokens (numbers are copied digit by digit), and with
-    `split_capitals` a space before a capital letter is a token of its own, so a name is the same ids after a
-    space in a document as after a quote in an answer (names are copied token for token; about 9% more tokens)."""
+# GPT-2's pre-tokenizer pattern (without its English contractions), except that a space before a capital letter is
+# never a word's prefix: a letter word followed by a space and a capital keeps that space at its end, and elsewhere
+# (after punctuation or a digit) the space is a token of its own.
+_ATTACH_PATTERN = (r"(?: (?!\p{Lu}))?\p{L}+ (?=\p{Lu})|(?: (?!\p{Lu}))?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"
+                   r"|\s+(?!\S)|\s+")
+CAPITAL_SPACES = ("attach", "isolate", "prefix")
+
+
+def train_tokenizer(vocab_size: int, docs: int, instructions: Instructions, *, capital_space: str = "attach"):
+    """A byte-level BPE on corpus text; digits are single tokens (numbers are copied digit by digit).
+
+    `capital_space` decides the tokens of a multi-word name such as "Kestrel Energy SRL", which extraction copies
+    out of a document (`From: Kestrel Energy SRL,`) into a JSON list (`["Kestrel Energy SRL", ...`):
+    - "prefix" (GPT-2): `ĠKestrel ĠEnergy ĠSRL` in the document but `Kestrel ĠEnergy ĠSRL` after `["`: the first
+      word is another id, and so the copy's lookup (find the current token in the document, emit the one after it)
+      finds nothing for the second word either;
+    - "isolate": `Ġ Kestrel Ġ Energy Ġ SRL` in both places, but the token before every later word is the bare
+      space, which occurs everywhere: the lookup needs two tokens of context;
+    - "attach" (the recipe): `KestrelĠ EnergyĠ SRL` in both places; every word is the same id wherever the name
+      stands, and each word's id names the next, so a name is copied by the plain one-token lookup that copies
+      digits.
+    """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    if capital_space not in CAPITAL_SPACES:
+        raise ValueError(f"capital_space must be one of {CAPITAL_SPACES}, not {capital_space!r}")
     tok = Tokenizer(models.BPE())
     pieces = [pre_tokenizers.Digits(individual_digits=True)]
-    if split_capitals:
-        pieces.append(pre_tokenizers.Split(Regex(r" (?=[A-Z])"), behavior="isolated"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([*pieces, pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    if capital_space == "attach":
+        pieces += [pre_tokenizers.Split(Regex(_ATTACH_PATTERN), behavior="isolated"),
+                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    elif capital_space == "isolate":
+        pieces += [pre_tokenizers.Split(Regex(r" (?=[A-Z])"), behavior="isolated"),
+                   pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    else:
+        pieces.append(pre_tokenizers.ByteLevel(add_prefix_space=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(pieces)
     tok.decoder = decoders.ByteLevel()
     corpus = [make_document(TRAIN_SEEDS[i]) for i in range(docs)]
     texts = [t for d in corpus for t in (d.text, d.summary, d.extraction)]
@@ -317,7 +346,7 @@ def train_demo(out: Path, recipe: Recipe = Recipe(), shape: DemoShape = DemoShap
         shutil.rmtree(state_dir, ignore_errors=True)
         out.mkdir(parents=True, exist_ok=True)
         tokenizer = train_tokenizer(shape.vocab_size, recipe.tokenizer_docs, instructions,
-                                    split_capitals=recipe.split_capitals)
+                                    capital_space=recipe.capital_space)
         if tokenizer.get_vocab_size(with_added_tokens=True) > shape.vocab_size:
             raise AssertionError("tokenizer larger than the model's vocabulary")
         tokenizer.save(str(out / "tokenizer.json"))

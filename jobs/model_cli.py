@@ -321,6 +321,7 @@ class Mode(StrEnum):
     auto = "auto"
     diffusion = "diffusion"
     autoregressive = "autoregressive"
+    verified = "verified"
 
 
 def generate_command(

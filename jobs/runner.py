@@ -76,7 +76,7 @@ DEFAULT_RETRY_STATUSES = INFRASTRUCTURE_STATUSES  # what `run --retry-failed` ru
 
 
 class ExitCode(enum.IntEnum):
-    """What `clover-batch run` exits with; README's Scheduling section says what a scheduler does with each."""
+    """What `clover-batch run` exits with; docs/operations.md (exit codes) says what a scheduler does with each."""
 
     OK = 0  # every listed document has a row, and none has a failing status
     RUN_FAILED = 1  # the run itself failed (model, storage, cluster, another run holding the output), stalled

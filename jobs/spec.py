@@ -130,8 +130,8 @@ class InputSpec(_Strict):
         description="A PDF, EPUB or XPS with more pages than this is parsed as page ranges of this many pages, each "
         "a Ray task in its own parse process on whichever node has a free CPU, then joined in page order (the text "
         "is the same as one parse of the whole document). 25 pages cost 8-10 s of Markdown layout on an idle core and "
-        "up to ~2 minutes of OCR if they are all scans; a range's own overhead is a fraction of a second (see the "
-        "README's 'What it costs').",
+        "up to ~2 minutes of OCR if they are all scans; a range's own overhead is a fraction of a second (see "
+        "docs/documents.md, 'What parsing costs').",
     )
     max_pages: int = Field(
         default=10_000,
@@ -269,6 +269,8 @@ class ExtractField(_Strict):
 
 
 class SummarizeTask(_Strict):
+    """`task.kind: summarize`: one summary per document, in `output_text`."""
+
     kind: Literal["summarize"] = Field(description="Summarize each document.")
     instruction: str = Field(
         default="Summarize the document.",
@@ -278,6 +280,8 @@ class SummarizeTask(_Strict):
 
 
 class ExtractTask(_Strict):
+    """`task.kind: extract`: named fields per document, as one JSON object in `output_json`."""
+
     kind: Literal["extract"] = Field(description="Extract named fields from each document as JSON.")
     instruction: str = Field(
         default="Extract the following fields from the document.",
@@ -353,7 +357,7 @@ class ResourcesSpec(_Strict):
         return self
 
 
-STALL_TIMEOUT_S = 900  # run.stall_timeout_s's default; README's Scheduling section says why
+STALL_TIMEOUT_S = 900  # run.stall_timeout_s's default; docs/operations.md, 'A run never hangs', says why
 
 
 class RunSpec(_Strict):

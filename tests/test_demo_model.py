@@ -6,6 +6,7 @@ pipeline's PromptBuilder, and it answers held-out documents.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -24,9 +25,11 @@ from clover_batch.jobs.demo_corpus import (
 from clover_batch.jobs.demo_model import (
     COPY_INSTRUCTION,
     DEMO_DIR,
+    EXTRACT_JOB,
     IM_END_ID,
     MASK_ID,
     SPECIALS,
+    SUMMARIZE_JOB,
     DemoShape,
     PairMaker,
     demo_config,
@@ -126,7 +129,7 @@ def test_checkpoint_files_config_and_tokenizer_agree(demo):
     size = (DEMO_DIR / "model.safetensors").stat().st_size
     assert size <= 10_000_000, size
     report = json.loads((DEMO_DIR / "training.json").read_text())
-    assert report["seconds"]["total"] < 3600
+    assert report["seconds"]["total"] < 150 * 60  # the recipe fits 150 minutes on 2 cores (Recipe)
     builder = PromptBuilder(str(DEMO_DIR))
     tok = builder.tokenizer
     assert [tok.token_to_id(t) for t in SPECIALS] == [0, 1, 2, 3]
@@ -168,25 +171,46 @@ def test_demo_shape_is_the_committed_checkpoints_and_ties_through_a_checkpoint(d
     assert generate(back, [ids], max_new_tokens=8, temperature=0.0, tokens_per_step=2)[0].tokens == ours
 
 
-def test_checkpoint_answers_held_out_documents(demo, one_thread):
-    """Greedy threshold-0.9 decoding on 8 held-out documents (a regression guard of the committed checkpoint).
+def _job_options(job: Path, **extra):
+    from clover_batch.jobs.spec import load_job
 
-    What the demo model does (bench/diffusion_quality.py has the figures): it reads the kind of document off the
-    text, answers in the pipeline's JSON form and writes summaries in the target's form, but it invents most
-    values (names, dates) instead of copying them. The bounds sit below what the committed checkpoint measures
-    (document type 8/8, summary similarity 0.565, 1.76 tokens per step) and far above random weights (~0).
-    """
+    return dataclasses.replace(load_job(str(job)).decode.options(), **extra)
+
+
+def test_checkpoint_answers_held_out_documents(demo, one_thread):
+    """Greedy decoding on 8 held-out documents under the example jobs' own decode settings (a regression guard of
+    the committed checkpoint): extraction fields and the summaries' facts are copied out of the documents, at more
+    than one token per decode forward. The bounds sit below what the committed checkpoint measures on these 8
+    documents (72.5% of fields, 62.5% of 48 summary facts, 1.31 tokens per forward) and far above what the
+    previous checkpoint, which invented values, got (~20% of fields: the document type). Parties are not bounded:
+    the checkpoint gets 1 of these 8 lists exactly (docs/models.md, the demo model)."""
     maker = PairMaker(str(DEMO_DIR), job_instructions())
     docs = held_out(8)
-    ext = generate(demo, [maker.prompt(d, "extract") for d in docs], max_new_tokens=96, threshold=0.9)
-    summ = generate(demo, [maker.prompt(d, "summarize") for d in docs], max_new_tokens=96, threshold=0.9)
+    ext = generate(demo, [maker.prompt(d, "extract") for d in docs], _job_options(EXTRACT_JOB))
+    summ = generate(demo, [maker.prompt(d, "summarize") for d in docs], _job_options(SUMMARIZE_JOB))
     matches = [field_matches(maker.builder.decode(g.tokens), d) for d, g in zip(docs, ext, strict=True)]
-    assert sum(m["document_type"] for m in matches) >= 7, matches
-    sims = [token_similarity(g.tokens, maker.builder.encode(d.summary, specials=False))
-            for d, g in zip(docs, summ, strict=True)]
-    assert sum(sims) / len(sims) >= 0.5, sims
-    tokens = sum(len(g.tokens) for g in ext + summ)
-    assert tokens / sum(g.denoising_steps for g in ext + summ) > 1.5  # threshold decoding fills >1 per step
+    fields = sum(sum(m.values()) for m in matches) / (len(docs) * len(EXTRACT_FIELDS))
+    facts = [(f in maker.builder.decode(g.tokens), f) for d, g in zip(docs, summ, strict=True)
+             for _, f in d.summary_facts]
+    assert fields >= 0.6, matches
+    assert sum(hit for hit, _ in facts) / len(facts) >= 0.5, facts
+    per_forward = sum(len(g.tokens) for g in ext + summ) / sum(g.decode_forwards for g in ext + summ)
+    assert per_forward >= 1.2
+
+
+def test_verified_decoding_of_the_demo_is_its_trunk_exactly(demo, one_thread):
+    """The committed checkpoint has Clover's layout and a trained preview: `verified` gives autoregressive's tokens
+    on held-out documents, with drafts both kept (more than the block's first token per block) and rejected."""
+    maker = PairMaker(str(DEMO_DIR), job_instructions())
+    docs = held_out(6, start=8)
+    prompts = [maker.prompt(d, task) for d in docs for task in ("extract", "summarize")]
+    ar = generate(demo, prompts, _job_options(EXTRACT_JOB, mode="autoregressive", tokens_per_step=None))
+    ver = generate(demo, prompts, _job_options(EXTRACT_JOB, mode="verified"))
+    assert [g.tokens for g in ver] == [g.tokens for g in ar]
+    blocks = sum(g.verified_blocks for g in ver)
+    assert sum(g.accepted_tokens for g in ver) / blocks > 1.5
+    assert sum(g.full_blocks for g in ver) < blocks
+    assert sum(g.decode_forwards for g in ver) < sum(g.decode_forwards for g in ar)
 
 
 def test_train_demo_resumes_an_interrupted_run_to_the_same_weights(tmp_path, one_thread):
@@ -246,3 +270,39 @@ def test_train_demo_command_options_and_refusals(tmp_path):
     taken = runner.invoke(app, ["model", "train-demo", "--out", str(tmp_path)])
     assert taken.exit_code == 2 and "--overwrite" in taken.output
     assert (tmp_path / "config.json").read_text() == "{}"
+
+
+def test_tokenizer_gives_a_name_the_same_ids_in_the_document_and_in_the_answer():
+    """Recipe.capital_space "attach" (the recipe's): a multi-word party is the same ids after `From: ` in a
+    document, after ` from ` in a summary and after `["` in an extraction, and no word of it is preceded by a bare
+    space token; "prefix" (GPT-2) changes the first word's id after `["`, "isolate" puts a bare space before every
+    later word. A trained tokenizer decodes every text back exactly. (A tokenizer this small may still split a word
+into pieces; the recipe's 2,048 keeps the demo's names whole.)"""
+    from clover_batch.jobs.demo_model import train_tokenizer
+
+    instructions = job_instructions()
+    made = {mode: train_tokenizer(512, 60, instructions, capital_space=mode)
+            for mode in ("attach", "isolate", "prefix")}
+    name = "Kestrel Energy SRL"
+    contexts = (f"From: {name}, 12 Harbour Street", f"Invoice INV-1349 from {name} to Atlas Labs AG",
+                json.dumps({"parties": [name, "Atlas Labs AG"]}))
+
+    def name_ids(tok, text: str) -> list[int]:
+        enc = tok.encode(text)
+        start, end = text.index(name), text.index(name) + len(name)
+        return [i for i, (a, b) in zip(enc.ids, enc.offsets, strict=True) if a < end and b > start]
+
+    for mode, tok in made.items():
+        for text in (*contexts, "Attendees: Ana Lopez, Bo Chen and Vera Novak.\n\nThe meeting\n  X"):
+            assert tok.decode(tok.encode(text).ids) == text, (mode, text)
+    attach = made["attach"]
+    ids = [name_ids(attach, text) for text in contexts]
+    assert ids[0] == ids[1] == ids[2], ids
+    for text in contexts:  # before BPE merges: each word one piece, no bare space between them
+        pieces = [piece for piece, _ in attach.pre_tokenizer.pre_tokenize_str(text)]
+        assert ["KestrelĠ", "EnergyĠ", "SRL"] == pieces[pieces.index("KestrelĠ"):][:3], pieces
+    assert len({tuple(name_ids(made["prefix"], t)) for t in contexts}) > 1  # the first word differs after `["`
+    isolated = name_ids(made["isolate"], contexts[0])
+    assert made["isolate"].token_to_id("Ġ") in isolated  # a bare space before "Energy" and "SRL"
+    with pytest.raises(ValueError, match="capital_space"):
+        train_tokenizer(512, 10, instructions, capital_space="none")

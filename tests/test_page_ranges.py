@@ -4,7 +4,7 @@ hangs or crashes falls back to plain text alone, every document keeps one row; o
 The references are pymupdf4llm's own whole-document call (parse.markdown_reference, in this process, with
 onnxruntime's default threads) and MuPDF's plain text; the ranges run in parse children (one layout thread each).
 Markdown layout costs ~0.3 s a page on an idle core, so documents here are a dozen to a hundred pages; the
-2,000-page book of issue 33 runs with CLOVER_LONG_DOCS=1 (minutes; see the README's "What it costs").
+2,000-page book of issue 33 runs with CLOVER_LONG_DOCS=1 (minutes; see docs/documents.md, "What parsing costs").
 """
 
 from __future__ import annotations
