@@ -24,8 +24,8 @@ from . import ops, preview
 from .config import CloverConfig
 from .moe import SparseMoE
 from .preview import PreviewPlan
-from .slots import Packing, PagedKeys
-from .state import AttentionLayerState, GDNLayerState
+from .slots import Packing
+from .state import AttentionLayerState, GDNLayerState, PagedKeys
 
 
 class RMSNorm(nn.Module):

@@ -45,7 +45,7 @@ from . import kernels
 from .config import CloverConfig
 from .pages import PagePool, pages_for
 from .preview import PreviewPlan
-from .state import KeyRead
+from .state import KeyRead, PagedKeys
 
 
 @dataclass(frozen=True)
@@ -93,16 +93,6 @@ def slot_bytes(config: CloverConfig, dtype: torch.dtype, *, window: int, max_for
         page=page_size * (n_attn * 2 * config.num_key_value_heads * config.head_dim * itemsize + 8),
         page_size=page_size,
     )
-
-
-@dataclass
-class PagedKeys:
-    """What attention over the page pool itself needs (ops.PagedMask): each row's page table and every entry's
-    position. Returned by AttentionSlots.extended instead of gathered keys on the flex path."""
-
-    table: torch.Tensor  # [B, M] the forward's rows' page tables
-    pool_pos: torch.Tensor  # [N]
-    page_size: int
 
 
 @dataclass

@@ -18,14 +18,22 @@ Notable choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from .config import CloverConfig
 
-if TYPE_CHECKING:
-    from .slots import PagedKeys
+
+@dataclass
+class PagedKeys:
+    """What attention over the page pool itself needs (ops.PagedMask): each row's page table and every entry's
+    position. Returned by slots.AttentionSlots.extended instead of gathered keys on the flex path."""
+
+    table: torch.Tensor  # [B, M] the forward's rows' page tables
+    pool_pos: torch.Tensor  # [N]
+    page_size: int
+
 
 
 class GDNLayerState(Protocol):
@@ -46,7 +54,7 @@ class GDNLayerState(Protocol):
 @dataclass
 class KeyRead:
     """Keys some rows of a forward attend over: `keys`/`values` [b, Hkv, S, D] with their positions `key_pos`
-    [b, S] (-1 = padding), or the engine's page pool itself with its tables (slots.PagedKeys, flex)."""
+    [b, S] (-1 = padding), or the engine's page pool itself with its tables (PagedKeys, flex)."""
 
     rows: torch.Tensor | None  # the forward's rows (a packed forward's sequences) that read these; None: all, in order
     keys: torch.Tensor
