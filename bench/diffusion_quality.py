@@ -24,7 +24,8 @@ predicts each position from itself (logits_shift false) has no such trunk, and `
 
 `verified` (`mode="verified"`, drafts at threshold 0.9; `ver-t0.7` at 0.7, `ver-kN` N positions per preview step,
 `ver-k16` the whole block in one preview) must give `ar`'s outputs token for token: the report says how many of its
-outputs equal `ar`'s, its tokens kept per checked block and its share of blocks fully accepted.
+outputs equal `ar`'s, its tokens verified per check (a round: previews and one check) and its share of checks
+that rejected no drafted token.
 
 Long documents: held-out documents whose facts all lie more than `window_tokens` before the answer (the attention
 window cannot see them; only the carried Gated DeltaNet state can) are scored separately.
@@ -80,7 +81,7 @@ class Tally:
     scored: int = 0
     wall_seconds: float = 0.0  # generate() calls, prefill and decode
     outputs: list[list[int]] = field(default_factory=list)
-    blocks: int = 0  # verified: blocks checked, tokens they kept, blocks fully accepted
+    blocks: int = 0  # verified: checks, tokens they verified, checks that rejected no drafted token
     accepted: int = 0
     full_blocks: int = 0
 
@@ -216,8 +217,8 @@ def main() -> None:
         if ar is not None:
             pairs = zip(ar[1].outputs + ar[2].outputs, ext.outputs + summ.outputs, strict=True)
             same = f", outputs equal to ar's: {sum(a == b for a, b in pairs)}/{len(ext.outputs) + len(summ.outputs)}"
-        lines.append(f"{name}: {blocks} blocks checked, {(ext.accepted + summ.accepted) / blocks:.2f} tokens kept "
-                     f"per block, {100 * (ext.full_blocks + summ.full_blocks) / blocks:.1f}% fully accepted{same}")
+        lines.append(f"{name}: {blocks} checks, {(ext.accepted + summ.accepted) / blocks:.2f} tokens verified per "
+                     f"check, {100 * (ext.full_blocks + summ.full_blocks) / blocks:.1f}% rejected no draft{same}")
     for name, ext, _ in rows:
         lines.append(f"per field, {name}: " + ", ".join(f"{f} {100 * ext.per_field[f] / ext.answers:.0f}%"
                                                         for f in EXTRACT_FIELDS))

@@ -40,7 +40,8 @@ Parts:
   trained checkpoint such as the demo's shows what acceptance buys), prompts of 64 tokens, stop tokens off, the two
   modes taking turns rep by rep: decode tokens/s of each and their ratio (CPU), decode forwards per token of each
   and the forwards verified saves (what carries over to a GPU, where a decode forward costs reading the weights
-  whatever its tokens), tokens kept per block, and whether the outputs are identical (they must be).
+  whatever its tokens), tokens verified per check (a round: the previews and one check), the share of checks that
+  rejected no drafted token, and whether the outputs are identical (they must be).
 """
 
 from __future__ import annotations
@@ -544,7 +545,7 @@ def part_verified(args) -> list[str]:
     lines = [f"verified vs autoregressive decode, {args.verified_model} ({model.config.diffusion.block_size}-token "
              f"blocks, drafts {draft}), prompts of 64 tokens, {args.new_tokens} new tokens, best of {args.reps}:",
              f"  {'rows':>4} {'AR tok/s':>9} {'ver tok/s':>9} {'CPU ratio':>9} {'AR fwd/tok':>10} "
-             f"{'ver fwd/tok':>11} {'fwd saved':>9} {'kept/block':>10} {'full':>6} {'identical':>9}"]
+             f"{'ver fwd/tok':>11} {'fwd saved':>9} {'tok/check':>10} {'full':>6} {'identical':>9}"]
     for rows in args.verified_rows:
         prompts = torch.randint(3, 256, (rows, 64), generator=gen).tolist()
         best: dict[str, tuple[float, Engine, dict]] = {}
@@ -566,9 +567,10 @@ def part_verified(args) -> list[str]:
                      f"{ve_f:11.2f} {1 - ve_f / ar_f:8.0%} {ve_e.stats.accepted_tokens / blocks:10.2f} "
                      f"{ve_e.stats.full_blocks / blocks:6.0%} {f'{same}/{rows}':>9}")
         log.info("verified: %s", lines[-1].strip())  # each row count's line as soon as it is measured
-    lines.append("  fwd/tok: decode forwards per generated token of one row (verified: previews, the check and the "
-                 "commit; autoregressive: 1); fwd saved: 1 - verified's / autoregressive's; a step of many rows "
-                 "runs their forwards together, so engine forwards are fewer than the rows' sum")
+    lines.append("  fwd/tok: decode forwards per generated token of one row (verified: previews and checks, a "
+                 "complete block's commit riding in the next round's first forward; autoregressive: 1); fwd saved: "
+                 "1 - verified's / autoregressive's; a step of many rows runs their forwards together, so engine "
+                 "forwards are fewer than the rows' sum")
     return lines
 
 

@@ -3,8 +3,8 @@
     engine.add(Request) at any time  ->  engine.step() ... each returns the requests that finished in it
     a step = one packed prefill forward: chunks of the prefilling requests, up to a token budget
            | one decode step over every decoding slot: a denoising step (diffusion), one token (autoregressive)
-             or one verified block (verified: preview forwards draft it, one causal forward checks it, one
-             packed forward commits what the trunk accepted)
+             or one verified round (verified: preview forwards draft a block's unverified positions, one
+             causal forward checks them; a block is committed in the next step's first forward once complete)
 
 Notable choices:
 - Memory (slots.py, pages.py): each slot holds a sequence's fixed-size state (GDN recurrent and conv state, the
@@ -39,17 +39,17 @@ Notable choices:
   is queued, since a host to device copy queued behind the forward would wait for it. Not counted: the fp32
   grouped expert GEMM on CUDA (the reference loop reads expert offsets back; bf16 uses the grouped kernel) and
   flex_attention's first call of a shape (compilation).
-- Verified decoding (`mode: verified`) gives the autoregressive output token for token. A block starts with the
-  trunk's own next token (greedy from the saved logits of the last committed position: the previous block's
-  "bonus" token), the preview fills the rest (threshold or k per step, as diffusion does, all rows in lockstep
-  until every row's draft is full), then one causal forward over the drafted block that writes no state gives the
-  trunk's choice after each of its positions, penalised with the counts of the response before that position.
-  The longest prefix the trunk agrees with is kept; the trunk's token after it is the next block's first token
-  (it needs no forward of its own: its logits are the verify forward's, saved). Only the kept tokens are committed,
-  by a packed causal forward of each row's own length (prefill's path), so the GDN state, conv tail and positions
-  end exactly after them; keys the verify forward wrote past them sit beyond the committed length, where no later
-  query sees them before the next forward overwrites them. Why a second forward rather than per-position states
-  or a rollback: docs/architecture.md section 3, measured.
+- Verified decoding (`mode: verified`) gives the autoregressive output token for token. A block's first token is
+  the trunk's greedy choice from the saved logits of the last committed position. A step is a round per row: the
+  preview drafts the block's unverified positions (threshold or k per step, as diffusion does; rows in lockstep
+  until every draft is full), then one causal forward over every row's block, writing no state, gives the trunk's
+  choice after each position, penalised with the counts of the response before it. The drafted run the trunk
+  agrees with is verified, and the trunk's own token after it too; the positions after that are drafted again in
+  the next round, the verified ones staying as known positions. A block is committed once all of it is verified,
+  in the next step's first forward: beside the others' previews (a commit row drafts nothing in it, and its check
+  adds the trunk's token after its new block's first), or with `merge_commits` together with its next block's
+  first preview, as diffusion's merged commit. The keys a check writes past the committed length are overwritten
+  before any query sees them. Why not commit after every check: docs/architecture.md section 3, measured.
 - Sampling (temperature > 0) draws from each request's own generator, seeded from its `seed` (or from the
   options' seed and its id), so a request gets the same output whatever else is in flight.
 """
@@ -104,8 +104,9 @@ class Generation:
     stopped: str  # "eos" (a stop token was generated) or "length" (max_new_tokens reached)
     decode_batch: int = 1  # the most sequences in any decode step this one took part in
     decode_forwards: int = 0  # forward calls of its decode steps (forward_passes without its prefill chunks)
-    # verified mode: blocks checked by the trunk, the tokens they kept (the block's first token, the trunk's own,
-    # and the drafted ones accepted before the first rejection), and blocks whose every drafted token was accepted
+    # verified mode: checks of a draft by the trunk (one per round), the tokens they verified (the drafted run the
+    # trunk agreed with, the trunk's own token after it, and a block's first token), and checks that rejected no
+    # drafted token
     verified_blocks: int = 0
     accepted_tokens: int = 0
     full_blocks: int = 0
@@ -128,9 +129,9 @@ class EngineStats:
     peak_pages: int = 0  # most pages held at once
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    verified_blocks: int = 0  # verified mode: blocks checked (one per row per step)
-    accepted_tokens: int = 0  # tokens those blocks kept
-    full_blocks: int = 0  # blocks whose every drafted token the trunk accepted
+    verified_blocks: int = 0  # verified mode: drafts checked (one per row per step)
+    accepted_tokens: int = 0  # tokens those checks verified
+    full_blocks: int = 0  # checks that rejected no drafted token
     decode_tokens: int = 0  # tokens generated by decode steps
 
 
@@ -151,12 +152,14 @@ class _Live:
     length: int = 0  # committed tokens (== the slot's position)
     out: list[int] = field(default_factory=list)
     tail: int = 0  # diffusion: prompt tokens at the start of the current block
-    commit_next: bool = False  # diffusion: the current block is finished; the next forward commits it
+    commit_next: bool = False  # diffusion, verified: the current block is finished; the next forward commits it
+    known: int = 0  # verified: the block's leading positions the trunk has verified
+    room: int = 0  # verified: positions of the current block that may be filled (its limit)
     next_token: int = -1  # autoregressive: the token just sampled, fed in the step's forward
     forwards: int = 0
     decode_forwards: int = 0
     steps: int = 0
-    blocks: int = 0  # verified: blocks checked, tokens they kept, blocks fully accepted
+    blocks: int = 0  # verified: checks, tokens they verified, checks that rejected no drafted token
     accepted: int = 0
     full_blocks: int = 0
     prefill_s: float = 0.0
@@ -229,11 +232,15 @@ class Engine:
             raise ValueError(f"prefill_tokens_per_step must be >= 1, got {self.prefill_budget}")
         self.decode_steps_per_prefill = decode_steps_per_prefill
         self.merge_commits = (model.device.type == "cuda") if merge_commits is None else merge_commits
-        self.merge_commits = self.merge_commits and not self.verified  # verified commits by a packed forward
+        # verified previews of a trunk-layout model are causal, so that a commit in the same forward is causal too
+        # (a Clover-layout model's preview plan commits causally beside its previews)
+        self._preview_attention = "causal" if cfg.diffusion is not None and not cfg.diffusion.clover else \
+            "block_causal"
         self.page_size = page_size
         # the most tokens one forward writes per row: a prefill chunk, or a merged commit's two blocks
         self.max_forward = max(self.chunk, 2 * self.block_size)
-        self.lookahead = 2 * self.block_size if self.merge_commits else self.block_size  # a decode step's writes
+        # a decode step's writes past the committed length (verified: a commit and the check after it)
+        self.lookahead = 2 * self.block_size if self.merge_commits or self.verified else self.block_size
         self.slot_bytes: SlotBytes = slot_bytes(cfg, model.dtype, window=self.window,
                                                 max_forward_tokens=self.max_forward + self.lookahead,
                                                 page_size=page_size)
@@ -426,6 +433,11 @@ class Engine:
             mask = self.config.diffusion.mask_token_id
             self.block[dst] = torch.tensor(prompt[live.prefill_target:] + [mask] * (bs - live.tail))
             self.limit[dst] = min(bs, live.tail + live.max_new)
+        elif self.verified:  # a block of masks; its first token comes from the prompt's last logits
+            assert self.config.diffusion is not None
+            self.block[dst] = self.config.diffusion.mask_token_id
+            live.known, live.room = 0, min(self.block_size, live.max_new)
+            self.limit[dst] = live.room
 
     def _owner(self, slot: int) -> _Live | None:
         return next((lv for lv in (*self.decoding, *self.prefilling) if lv.slot == slot), None)
@@ -797,52 +809,89 @@ class Engine:
         return [self._result(lv) for lv in done]
 
     def _verified_step(self) -> list[tuple[str, Generation]]:
-        """One verified block per decoding row (module docstring): draft by previews, check by one causal forward
-        that writes no state, commit each row's accepted prefix by one packed causal forward."""
+        """One verified round per decoding row (module docstring): rows whose block is complete commit it in the
+        step's first forward (merged: with their next block's first preview), the others' previews draft the
+        block's unverified positions, and one causal forward that writes no state checks every row's draft."""
         assert self.slots is not None and self.config.diffusion is not None
-        d, opt = self.config.diffusion, self.options
-        start, bs = time.perf_counter(), self.block_size
-        # pages for what the verify forward writes: a block after each row's committed tokens
-        self._grow([(lv, lv.length + bs) for lv in self.decoding])  # may preempt the newest
-        if not self.decoding:
+        opt = self.options
+        start, bs, mask = time.perf_counter(), self.block_size, self.config.diffusion.mask_token_id
+        merge = self.merge_commits and any(lv.commit_next for lv in self.decoding)
+        # pages for what the step writes: a committing row its block and the check after it (or the merged pair)
+        self._grow([(lv, lv.length + (2 if merge or lv.commit_next else 1) * bs) for lv in self.decoding])
+        if not self.decoding:  # every row preempted
             return []
         lives = list(self.decoding)
         n = len(lives)
-        dev = self.logits.device
-        pos = self._positions
-        limit = torch.tensor([min(bs, lv.max_new - len(lv.out)) for lv in lives], dtype=torch.long, device=dev)
-        raw = self.logits[:n]  # [n, V] the last committed position's logits: they choose the block's first token
+        commit = [i for i, lv in enumerate(lives) if lv.commit_next]
+        merge = self.merge_commits and bool(commit)
+        dev, pos = self.logits.device, self._positions
+        block, limit, raw = self.block[:n], self.limit[:n], self.logits[:n]
         counts = None if self.counts is None else self.counts[:n]
-        first, _ = pick_tokens(raw[:, None] if counts is None else apply_penalties(raw[:, None], counts, opt),
-                               0.0, 1.0)
-        block = self.block[:n]
-        block.fill_(d.mask_token_id)
-        block[:, :1] = first
-        # drafts are penalised like diffusion steps: the response so far and the block's decided tokens
-        draft_counts = None
-        if counts is not None:
-            draft_counts = counts.clone().scatter_add_(1, first, torch.ones_like(first, dtype=counts.dtype))
-        previews = torch.zeros(n, dtype=torch.long, device=dev)  # preview forwards each row's draft needed
-        forwards = 0
+        # host -> device copies before any forward is queued
+        known = torch.tensor([0 if lv.commit_next else lv.known for lv in lives], dtype=torch.long, device=dev)
+        fresh = [i for i, lv in enumerate(lives) if lv.known == 0 and not lv.commit_next]
+        if fresh:
+            fresh_idx = torch.tensor(fresh, dtype=torch.long, device=dev)
+        if commit:
+            commit_idx = torch.tensor(commit, dtype=torch.long, device=dev)
+            room = torch.tensor([min(bs, lives[i].max_new - len(lives[i].out)) for i in commit], dtype=torch.long,
+                                device=dev)
+        drafting = torch.ones(n, dtype=torch.bool, device=dev)  # rows that draft this step
+        if commit and not merge:
+            drafting.index_fill_(0, commit_idx, False)  # their forward commits; the check gives them a token
+        if fresh:  # a block after prefill: its first token is the trunk's choice from the saved logits
+            self._first_tokens(fresh_idx)
+        previews = torch.zeros(n, dtype=torch.long, device=dev)  # preview forwards that drafted for each row
+        forwards, first = 0, True
         while True:
-            needed = (block == d.mask_token_id) & (pos >= 1) & (pos < limit[:, None])
-            if not bool(needed.any()):  # a host sync per preview step (a diffusion step has one too)
-                break
-            logits = self._forward_decode(block, [], commit_tokens=bs, attention="block_causal", keep_logits=None,
-                                          preview=True)
+            if first:
+                wants_preview = any(lv.known + (lv.known == 0) < lv.room and not lv.commit_next for lv in lives)
+                if not (commit or wants_preview):
+                    break
+                ids = torch.cat([block, torch.full_like(block, mask)], dim=1) if merge else block
+                logits = self._forward_decode(ids, commit, commit_tokens=bs, attention=self._preview_attention,
+                                              keep_logits=None, preview=True)
+                if commit:  # the committed block's last position's logits choose the next block's first token
+                    raw.index_copy_(0, commit_idx, logits.index_select(0, commit_idx)[:, bs - 1].float())
+                    if counts is not None:  # the response now holds the committed block
+                        counts.index_copy_(0, commit_idx, counts.index_select(0, commit_idx).scatter_add(
+                            1, block.index_select(0, commit_idx), torch.ones(len(commit), bs, device=dev)))
+                    block.index_fill_(0, commit_idx, mask)
+                    limit.index_copy_(0, commit_idx, room)
+                    self._first_tokens(commit_idx)
+                    for i in commit:  # the later forwards of the step run after the committed block
+                        live = lives[i]
+                        live.commit_next = False
+                        live.length += bs
+                        self._slide(live)
+                        live.known, live.room = 0, min(bs, live.max_new - len(live.out))
+                if merge:  # each row's block logits: the second half for committing rows, the first for the others
+                    half = torch.zeros(n, dtype=torch.long, device=dev).index_fill_(0, commit_idx, bs)
+                    where = (half[:, None] + pos)[..., None].expand(n, bs, logits.shape[-1])
+                    logits = logits.gather(1, where)
+                first = False
+            else:
+                logits = None
+            settled = known.clamp(min=1)  # positions known before this step's drafts (the first always is)
+            needed = (block == mask) & (pos >= settled[:, None]) & (pos < limit[:, None]) & drafting[:, None]
+            if logits is None:
+                if not bool(needed.any()):  # a host sync per further preview (a diffusion step has one too)
+                    break
+                logits = self._forward_decode(block, [], commit_tokens=bs, attention=self._preview_attention,
+                                              keep_logits=None, preview=True)
             forwards += 1
             previews += needed.any(-1)
             # position t is predicted from t - 1: the block's first from the last committed position
             step_logits = torch.cat([raw[:, None], logits[:, :-1].float()], dim=1)
-            if draft_counts is not None:
+            if counts is not None:  # the response so far and the block's decided tokens
+                decided = (pos < settled[:, None]) | ((block != mask) & (pos < limit[:, None]))
+                draft_counts = counts.scatter_add(1, block, decided.to(counts.dtype))
                 step_logits = apply_penalties(step_logits, draft_counts, opt)
-            step_logits[..., d.mask_token_id] = -math.inf  # never "predict" a mask
+            step_logits[..., mask] = -math.inf  # never "predict" a mask
             tok, conf = pick_tokens(step_logits, 0.0, 1.0)
             chosen = select_block_positions(conf, needed, opt.threshold, opt.tokens_per_step)
             block.copy_(torch.where(chosen, tok, block))
-            if draft_counts is not None:
-                draft_counts.scatter_add_(1, torch.where(chosen, tok, 0), chosen.float())
-        # the check: one causal forward over the drafted blocks, writing no state; position t's logits choose t + 1
+        # the check: one causal forward over every row's block, writing no state; position t's logits choose t + 1
         check = self._forward_decode(block, [], commit_tokens=bs, attention="causal", keep_logits=None).float()
         forwards += 1
         if counts is not None:  # position t's counts: the response before the block and the block's tokens <= t
@@ -852,56 +901,59 @@ class Engine:
         else:
             trunk_logits = check
         trunk, _ = pick_tokens(trunk_logits, 0.0, 1.0)  # [n, bs] the trunk's greedy token after each position
-        # drafted position t >= 1 is accepted when it is the trunk's choice after t - 1 and all before it were
-        agree = (trunk[:, :-1] == block[:, 1:]) | (pos[1:] >= limit[:, None])
-        kept = (1 + agree.long().cumprod(1).sum(1)).minimum(limit)  # [n] >= 1: the first token is the trunk's
-        # scores under the trunk (no penalty): the first token by the saved logits, the others by the check's
+        settled = known.clamp(min=1)
+        # position t >= 1 holds: known before the step, or drafted and the trunk's choice after t - 1 (beyond the
+        # limit counts as holding, so the run is cut by the limit)
+        holds = ((pos[1:] < settled[:, None]) | ((block[:, 1:] != mask) & (trunk[:, :-1] == block[:, 1:]))
+                 | (pos[1:] >= limit[:, None]))
+        agreed = (1 + holds.long().cumprod(1).sum(1)).minimum(limit)  # [n] leading positions now verified
+        ended = agreed == limit
+        at = agreed.clamp(max=bs - 1)[:, None]
+        rejected = ~ended & (block.gather(1, at)[:, 0] != mask)  # a drafted token the trunk chose otherwise
+        # the trunk's own token after the agreed prefix; positions after it are drafted again next step
+        block.scatter_(1, at, torch.where(ended[:, None], block.gather(1, at), trunk.gather(1, (agreed - 1)[:, None])))
+        verified = agreed + (~ended).long()
+        block.copy_(torch.where(pos >= verified[:, None], mask, block))
+        # scores under the trunk (no penalty): the first position by the saved logits, the others by the check's
         predict = torch.cat([raw[:, None], check[:, :-1]], dim=1)
         lp = torch.log_softmax(predict, dim=-1).gather(2, block[..., None])[..., 0]  # [n, bs]
-        # the next block's first token is chosen from the logits of the last kept position
-        raw.copy_(check.gather(1, (kept - 1)[:, None, None].expand(n, 1, check.shape[-1]))[:, 0])
-        if counts is not None:
-            take = (pos < kept[:, None]).to(counts.dtype)
-            counts.scatter_add_(1, block, take)
         # the step's read-back; float64 holds every token id exactly
-        readback = torch.cat([block.double(), lp.double(), kept[:, None].double(), previews[:, None].double()],
-                             dim=1).tolist()
+        readback = torch.cat([block.double(), lp.double(), verified[:, None].double(),
+                              (~rejected)[:, None].double(), previews[:, None].double()], dim=1).tolist()
         self.stats.forwards += forwards
         done: list[_Live] = []
-        commits: list[tuple[_Live, list[int]]] = []
         for live, row in zip(lives, readback, strict=True):
-            a, lim = int(row[2 * bs]), min(bs, live.max_new - len(live.out))
-            tokens = [int(t) for t in row[:a]]
+            v = int(row[2 * bs])
+            tokens = [int(t) for t in row[live.known:v]]
             live.forwards += forwards
             live.decode_forwards += forwards
-            live.steps += int(row[2 * bs + 1])
+            live.steps += int(row[2 * bs + 2])
             live.blocks += 1
-            live.accepted += a
-            live.full_blocks += a == lim
+            live.accepted += v - live.known
+            live.full_blocks += bool(row[2 * bs + 1])
             self.stats.verified_blocks += 1
-            self.stats.accepted_tokens += a
-            self.stats.full_blocks += a == lim
+            self.stats.accepted_tokens += v - live.known
+            self.stats.full_blocks += bool(row[2 * bs + 1])
             before = len(live.out)
             finished = self._emit(live, tokens)
             kept_out = len(live.out) - before
-            live.logprob += sum(row[bs:bs + kept_out])
+            live.logprob += sum(row[bs + live.known:bs + live.known + kept_out])
             live.scored += kept_out
-            if finished:  # nothing to commit: the sequence leaves
+            live.known = v
+            if finished:
                 done.append(live)
-            else:
-                commits.append((live, tokens))
-        self._release(done)  # the rows that go on are slots [0, len(commits)) again, in their order
-        if commits:
-            by_slot = sorted(commits, key=lambda c: c[0].slot)
-            ids = torch.tensor([[t for _, toks in by_slot for t in toks]], dtype=torch.long, device=dev)
-            rows = self.slots.packed(0, [lv.length for lv, _ in by_slot], [len(toks) for _, toks in by_slot])
-            self.model.forward_slots(ids, rows, attention="causal", keep_logits=0)
-            self.stats.forwards += 1
-            for live, toks in by_slot:
-                live.length += len(toks)
-                live.forwards += 1
-                live.decode_forwards += 1
-                self._slide(live)
+            elif v == live.room:  # complete: committed by the next step's first forward
+                live.commit_next = True
+        self._release(done)
         self.stats.decode_rows += n
         self._take_time(lives, start)
         return [self._result(lv) for lv in done]
+
+    def _first_tokens(self, idx: torch.Tensor) -> None:
+        """Rows `idx` start a block: its first token is the trunk's greedy choice from the saved logits of the last
+        committed position (penalised by the response so far), chosen on the device."""
+        raw = self.logits.index_select(0, idx)[:, None]
+        if self.counts is not None:
+            raw = apply_penalties(raw, self.counts.index_select(0, idx), self.options)
+        tok, _ = pick_tokens(raw, 0.0, 1.0)
+        self.block[:, :1].index_copy_(0, idx, tok)

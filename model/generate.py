@@ -72,15 +72,16 @@ def generate(model: CloverModel, prompts: list[list[int]], options: DecodeOption
     return [results[str(i)] for i in range(len(prompts))]
 
 
-def generate_nocache(model: CloverModel, prompt: list[int], options: DecodeOptions | None = None,
-                     **overrides) -> Generation:
+def generate_nocache(model: CloverModel, prompt: list[int], options: DecodeOptions | None = None, *,
+                     merge_commits: bool = False, **overrides) -> Generation:
     """Plain reference for one prompt: every step recomputes the whole sequence from an empty state.
 
     Same decisions as the engine (the per-sequence selection and penalty functions), none of its state carrying,
     batching or chunking. A diffusion step of a `trunk` model is one block-causal forward over committed + block
     (block-causal prompt attention needed: one mask then covers both); of a Clover-layout model, a causal forward
     over the committed tokens and a preview of the block from its state. `mean_logprob` comes from one causal
-    forward over prompt + output at the end.
+    forward over prompt + output at the end. merge_commits: verified mode's rounds as the engine runs them with
+    merged commits (a block's first preview in the forward that commits the block before it).
     """
     opt = _options(options, overrides)
     opt.check(model.config)
@@ -107,7 +108,7 @@ def generate_nocache(model: CloverModel, prompt: list[int], options: DecodeOptio
 
     with torch.inference_mode():
         if opt.mode == "verified":
-            out, stopped, forwards, steps, blocks = _verified_nocache(model, prompt, opt, pick)
+            out, stopped, forwards, steps, blocks = _verified_nocache(model, prompt, opt, pick, merge_commits)
         elif not opt.diffusion(cfg):
             while not stopped:
                 tok, _ = pick(full_logits(list(prompt) + out, "causal")[-1:], out)
@@ -176,59 +177,97 @@ def generate_nocache(model: CloverModel, prompt: list[int], options: DecodeOptio
                       accepted_tokens=accepted, full_blocks=sum(full for _, full in blocks) if blocks else 0)
 
 
-def _verified_nocache(model: CloverModel, prompt: list[int], opt: DecodeOptions, pick) -> tuple:
-    """Verified decoding from full recomputes: (tokens, stopped, forwards, preview steps, [(kept, full)] per block).
+def _verified_nocache(model: CloverModel, prompt: list[int], opt: DecodeOptions, pick, merged: bool) -> tuple:
+    """Verified decoding from full recomputes: (tokens, stopped, forwards, preview steps, [(kept, full)] per check).
 
-    A block: its first token is the trunk's greedy choice after everything so far; previews of the block from the
-    causal state of the sequence fill the rest (as a diffusion step does); then, position by position, a drafted
-    token is kept while it is the trunk's choice (one causal forward over everything before it, penalised by the
-    response before it), and the first that is not ends the block."""
+    A block starts after everything committed; its first token is the trunk's greedy choice there. A round: the
+    preview fills the block's unverified positions (from the causal state of what is committed, the block's
+    verified tokens as known positions, as a diffusion step does), then, position by position, a drafted token is
+    verified while it is the trunk's choice after everything before it (one causal forward each, penalised by the
+    response before it); the trunk's own token follows the verified run, and the positions after it are drafted
+    again next round. A block is committed once every position is verified. The round that starts a block after a
+    commit is the engine's: without merged commits the commit forward drafts nothing, so the check only adds the
+    trunk's token after the first; with them the first preview runs with the first position still masked."""
     cfg = model.config
     d = cfg.diffusion
     assert d is not None
     stops, window, bs, mask = set(opt.stops(cfg)), opt.window(cfg), d.block_size, d.mask_token_id
+    attention = None if d.clover else "causal"  # a trunk layout drafts with causal previews in verified mode
+    committed: list[int] = []  # generated tokens of complete blocks
     out: list[int] = []
-    blocks: list[tuple[int, bool]] = []
+    checks: list[tuple[int, bool]] = []
     forwards = steps = 0
     stopped = ""
+    after_commit = False
 
-    def causal(ids: list[int]):
+    def causal(ids: list[int]) -> tuple[torch.Tensor, object]:
         nonlocal forwards
         forwards += 1
         logits, state = model(torch.tensor([ids], device=model.device), None, attention="causal",
                               window_tokens=window)
         return logits[0].float(), state
 
+    def preview(ids: list[int], state) -> torch.Tensor:
+        nonlocal forwards
+        forwards += 1
+        ids_t = torch.tensor([ids], device=model.device)
+        if d.clover:
+            logits, _ = model(ids_t, state, preview=True, window_tokens=window)
+        else:
+            logits, _ = model(ids_t, state, commit=False, attention=attention, window_tokens=window)
+        return logits[0].float()
+
     while not stopped:
-        clean, state = causal(list(prompt) + out)
-        tok, _ = pick(clean[-1:], out)
-        block = [int(tok[0])] + [mask] * (bs - 1)
-        limit = min(bs, opt.max_new_tokens - len(out))
-        while any(t == mask for t in block[1:limit]):
-            logits, _ = model(torch.tensor([block], device=model.device), state, preview=True, window_tokens=window)
-            forwards += 1
-            steps += 1
-            step = torch.cat([clean[-1:], logits[0, :-1].float()], dim=0)  # position t predicted from t - 1
-            if opt.penalized:
-                step = penalize(step, out + [t for t in block if t != mask], opt)
-            step[:, mask] = -math.inf
-            tok, conf = sample_tokens(token_distribution(step.cpu(), 0.0, 1.0), 0.0, None)
-            needed = torch.tensor([t == mask for t in block]) & (torch.arange(bs) < limit)
-            needed[0] = False
-            for i in select_positions(conf, needed, opt.threshold, opt.tokens_per_step).nonzero().flatten():
-                block[int(i)] = int(tok[int(i)])
-        kept = 1
-        while kept < limit:
-            trunk, _ = pick(causal(list(prompt) + out + block[:kept])[0][-1:], out + block[:kept])
-            if int(trunk[0]) != block[kept]:
+        clean, state = causal(list(prompt) + committed)
+        raw = clean[-1:]
+        limit = min(bs, opt.max_new_tokens - len(committed))
+        block = [mask] * bs
+        block[0] = int(pick(raw, committed)[0][0])
+        known = 0
+        drafts = not (after_commit and not merged)  # without merging, the commit forward drafts nothing
+        hide_first = after_commit and merged  # the merged forward previews the block before its first token
+        while True:
+            settled = max(known, 1)
+            while drafts:
+                needed = torch.tensor([t == mask and settled <= i < limit for i, t in enumerate(block)])
+                if not bool(needed.any()):
+                    break
+                logits = preview([mask, *block[1:]] if hide_first else block, state)
+                hide_first = False
+                steps += 1
+                step = torch.cat([raw, logits[:-1]], dim=0)  # position t predicted from t - 1
+                if opt.penalized:
+                    decided = [t for i, t in enumerate(block) if i < settled or (t != mask and i < limit)]
+                    step = penalize(step, committed + decided, opt)
+                step[:, mask] = -math.inf
+                tok, conf = sample_tokens(token_distribution(step.cpu(), 0.0, 1.0), 0.0, None)
+                for i in select_positions(conf, needed, opt.threshold, opt.tokens_per_step).nonzero().flatten():
+                    block[int(i)] = int(tok[int(i)])
+            drafts = True
+            k = settled
+            trunk = None
+            while k < limit:
+                trunk = int(pick(causal(list(prompt) + committed + block[:k])[0][-1:], committed + block[:k])[0][0])
+                if block[k] == mask or trunk != block[k]:
+                    break
+                k += 1
+            k = min(k, limit)
+            rejected = k < limit and block[k] != mask  # a drafted token the trunk chose otherwise
+            if k < limit:  # the trunk's own token after the verified run
+                block[k] = trunk
+                k += 1
+                block[k:] = [mask] * (bs - k)
+            checks.append((k - known, not rejected))
+            new = block[known:k]
+            cut = next((i for i, t in enumerate(new) if t in stops), None)
+            out.extend(new if cut is None else new[:cut])
+            known = k
+            stopped = "eos" if cut is not None else "length" if len(out) >= opt.max_new_tokens else ""
+            if stopped or known == limit:
                 break
-            kept += 1
-        blocks.append((kept, kept == limit))
-        new = block[:kept]
-        cut = next((i for i, t in enumerate(new) if t in stops), None)
-        out.extend(new if cut is None else new[:cut])
-        stopped = "eos" if cut is not None else "length" if len(out) >= opt.max_new_tokens else ""
-    return out, stopped, forwards, steps, blocks
+        committed += block
+        after_commit = True
+    return out, stopped, forwards, steps, checks
 
 
 def _scores(options: DecodeOptions, config) -> bool:

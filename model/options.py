@@ -52,9 +52,9 @@ class DecodeOptions:
         "auto", "auto: block diffusion for a diffusion checkpoint, else autoregressive; diffusion; "
                 "autoregressive (a diffusion checkpoint whose causal logits score the next token, such as Clover, "
                 "then runs its causal trunk one token at a time); or verified (such a checkpoint's preview drafts "
-                "a block, by threshold or tokens_per_step, and one causal pass of the trunk keeps the longest "
-                "prefix it agrees with plus its own next token: the autoregressive output exactly, several tokens "
-                "per forward where the preview agrees with the trunk; greedy only).")
+                "a block, by threshold or tokens_per_step, one causal pass of the trunk verifies the drafted run "
+                "it agrees with plus its own next token, and the rest is drafted again: the autoregressive output "
+                "exactly, several tokens per forward where the preview agrees with the trunk; greedy only).")
     presence_penalty: float = option(0.0, "Subtracted from the logit of every token already in the response (not "
                                           "the prompt).")
     frequency_penalty: float = option(0.0, "Subtracted from a token's logit once per time it is already in the "

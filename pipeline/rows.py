@@ -74,8 +74,8 @@ WORK_SCHEMA = pa.schema(
         pa.field("output_ids", pa.list_(pa.int32())),  # infer -> postprocess
         pa.field("decode_batch", pa.int32()),  # infer -> stats: most documents decoded together with this one
         pa.field("kernels", pa.string()),  # infer -> stats: the kernels its replica ran (for the run report)
-        pa.field("verified_blocks", pa.int64()),  # infer -> stats: verified blocks checked, tokens they kept, and
-        pa.field("accepted_tokens", pa.int64()),  # blocks fully accepted (for the run report's totals)
+        pa.field("verified_blocks", pa.int64()),  # infer -> stats: verified drafts checked, tokens they verified,
+        pa.field("accepted_tokens", pa.int64()),  # checks that rejected no drafted token (the run report's totals)
         pa.field("full_blocks", pa.int64()),
         pa.field("replaces", pa.bool_()),  # run --retry-failed: the new row replaces this document's failed one
     ]

@@ -55,7 +55,8 @@ def _run(engine: Engine, schedule: dict[int, list[str]]) -> dict:
 
 
 def _rejections(gens) -> int:
-    """Drafted tokens the trunk rejected: blocks not fully accepted (each rejected one at least)."""
+    """Checks whose draft the trunk did not accept to the block's limit (each rejected a drafted token or had
+    none to check)."""
     return sum(g.verified_blocks - g.full_blocks for g in gens)
 
 
@@ -91,6 +92,28 @@ def test_the_engine_equals_the_plain_verified_reference(models, case):
         assert (gen.verified_blocks, gen.accepted_tokens, gen.full_blocks) == \
             (ref.verified_blocks, ref.accepted_tokens, ref.full_blocks), key
         assert gen.denoising_steps == ref.denoising_steps, key
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASES)
+def test_merged_commits_equal_their_plain_reference_and_autoregressive(models, case):
+    """A complete block committed in the forward of the next block's first preview (CUDA's default, forced here on
+    the CPU): tokens equal autoregressive decoding's, and rounds, tokens accepted and drafts fully accepted equal
+    the plain reference's with merged rounds (whose first preview of a block runs before its first token)."""
+    model = models[CASES[case][0]]
+    options = _options(case, "verified")
+    keys = ["long", "a", "b"]
+    gens = generate(model, [PROMPTS[k] for k in keys], options, merge_commits=True)
+    ar = generate(model, [PROMPTS[k] for k in keys], _options(case, "autoregressive"))
+    for gen, want, key in zip(gens, ar, keys, strict=True):
+        assert gen.tokens == want.tokens, key
+        ref = generate_nocache(model, PROMPTS[key], options, merge_commits=True)
+        assert gen.tokens == ref.tokens, key
+        assert (gen.verified_blocks, gen.accepted_tokens, gen.full_blocks, gen.denoising_steps) == \
+            (ref.verified_blocks, ref.accepted_tokens, ref.full_blocks, ref.denoising_steps), key
+    # merging changes the rounds, not the tokens: the unmerged reference drafts differently after each commit
+    plain = generate_nocache(model, PROMPTS["long"], options)
+    assert plain.tokens == gens[0].tokens
+    assert plain.denoising_steps != gens[0].denoising_steps
 
 
 def test_stops_cut_where_autoregressive_stops(models):
@@ -137,13 +160,14 @@ def test_packed_prefill_and_static_steps_keep_verified_autoregressive(models):
     static-shape step that CUDA graphs replay (eager on a CPU)."""
     model = models["tiny-clover"]
     options = _options("clover-penalties", "verified")
-    engine = Engine(model, options, max_slots=6, page_size=4, prefill_tokens_per_step=64, decode_steps_per_prefill=0,
-                    cuda_graphs=True)
-    assert engine.static is not None
-    got = _run(engine, {0: list(PROMPTS)})
-    assert engine.stats.prefill_steps < sum(-(-len(p) // 16) for p in PROMPTS.values())
     ar = generate(model, list(PROMPTS.values()), _options("clover-penalties", "autoregressive"))
-    assert [got[k].tokens for k in PROMPTS] == [g.tokens for g in ar]
+    for merge in (False, True):
+        engine = Engine(model, options, max_slots=6, page_size=4, prefill_tokens_per_step=64,
+                        decode_steps_per_prefill=0, cuda_graphs=True, merge_commits=merge)
+        assert engine.static is not None
+        got = _run(engine, {0: list(PROMPTS)})
+        assert engine.stats.prefill_steps < sum(-(-len(p) // 16) for p in PROMPTS.values())
+        assert [got[k].tokens for k in PROMPTS] == [g.tokens for g in ar], merge
 
 
 def test_verified_is_refused_where_it_has_no_meaning():

@@ -105,15 +105,17 @@ def test_autoregressive_generation_equals_the_torch_path(launched):
 
 def test_verified_generation_equals_autoregressive_on_the_gpu_path(launched):
     """decode.mode verified on Clover's layout through fla's kernels and flex (previews, the causal check over a
-    block, the packed commit of each row's accepted tokens): the torch path's autoregressive output."""
+    block, a complete block's commit merged with the next block's first preview, CUDA's default): the torch path's
+    autoregressive output."""
     model = load_model("tiny-clover", seed=4)
     prompts = _prompts(3, 21)
     with torch_and_dense():
         want = generate(model, prompts, max_new_tokens=10, mode="autoregressive", stop_token_ids=[])
     launched.clear()
-    got = generate(model, prompts, max_new_tokens=10, mode="verified", tokens_per_step=3, stop_token_ids=[])
+    got = generate(model, prompts, max_new_tokens=10, mode="verified", tokens_per_step=3, stop_token_ids=[],
+                   merge_commits=True)
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert sum(g.verified_blocks - g.full_blocks for g in got) > 0, "no draft rejected: the test proves less"
-    # blocks of 8 and commits of 1-8 tokens run fla's fused recurrent kernel and its varlen conv (packed commits)
+    # blocks of 8 run fla's fused recurrent kernel; packed prefill its varlen conv
     assert {"fused_recurrent_gated_delta_rule_fwd_kernel", "causal_conv1d_fwd_kernel"} <= set(launched), \
         sorted(set(launched))
