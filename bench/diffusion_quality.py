@@ -39,6 +39,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import torch
 from clover_batch.jobs.demo_corpus import Document, held_out
 from clover_batch.jobs.demo_model import (
     DEMO_DIR,
@@ -150,6 +151,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="compute dtype (the example jobs' model.dtype auto is bfloat16 on a CPU with bf16 units)")
     parser.add_argument("--merge-commits", action="store_true",
                         help="commit a finished block in the forward of the next block's first step, as the engine "
                              "does on CUDA (on a CPU that forward costs about twice as much)")
@@ -158,7 +161,7 @@ def main() -> None:
     kernels.model_threads(args.threads)
     load_before = os.getloadavg()
 
-    model = load_model(args.model)
+    model = load_model(args.model, dtype=getattr(torch, args.dtype))
     maker = PairMaker(args.model, job_instructions())
     docs = held_out(args.docs)
     window = model.config.window_tokens
@@ -188,7 +191,8 @@ def main() -> None:
     if base is not None:
         base_rate = (base[1].tokens + base[2].tokens) / (base[1].decode_seconds + base[2].decode_seconds)
     lines = ["", f"diffusion quality, {args.model}: {len(docs)} held-out documents per task, block "
-             f"{model.config.diffusion.block_size}, window {window}, batch {args.batch}, fp32, {args.threads} threads, "
+             f"{model.config.diffusion.block_size}, window {window}, batch {args.batch}, {args.dtype}, "
+             f"{args.threads} threads, "
              f"{'commits merged into the next step, ' if args.merge_commits else ''}"
              f"load average before {load_before[0]:.1f}",
              f"{'mode':8} {'fields':>7} {'JSON ok':>7} {'long':>7} {'summ ==':>7} {'summ sim':>8} "

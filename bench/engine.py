@@ -467,7 +467,8 @@ def part_steps(args) -> list[str]:
         times = [_timed(engine.step) for _ in range(args.steps)]
         step_s = sorted(times)[len(times) // 2]
         storages = {t.untyped_storage().data_ptr() for t in engine.slots.buffers()}
-        storages |= {t.untyped_storage().data_ptr() for t in (engine.logits, engine.block, engine.limit)}
+        r = engine.runner
+        storages |= {t.untyped_storage().data_ptr() for t in (r.logits, r.block, r.limit)}
         timer = CopyTimer(storages)
         with timer:
             for _ in range(args.steps):

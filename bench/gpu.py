@@ -223,9 +223,10 @@ def decode_cell(model, device, *, mode: str, slots: int, prompt: int, new: int, 
     for _ in range(2):  # warm-up: CUDA graph capture, flex compile
         engine.step()
     with RoutingObserver(model) as observer:  # one eager step, to see which experts a step touches
-        engine.static, static = None, engine.static
+        runner = engine.runner
+        runner.static, static = None, runner.static
         engine.step()
-        engine.static = static
+        runner.static = static
     lives = list(engine.decoding)
     before = {lv.req.id: (len(lv.out), lv.forwards) for lv in lives}
     steps_before = engine.stats.decode_steps

@@ -184,6 +184,10 @@ def architecture_table(source: str) -> Table:
             rows.append(("preview", "the model's own forward over the block (block-causal attention, causal GDN)",
                          "preview_operator trunk"))
     rows.append(("decode modes", decode_modes(cfg), "block settings, logits_shift"))
+    from clover_batch.model.precision import checkpoint_dtype, choose_dtype
+
+    choice = choose_dtype("auto", None if preset else checkpoint_dtype(source), "cpu")
+    rows.append(("dtype (auto, this CPU)", f"{choice.name}: {choice.reason}", "config.json, the CPU"))
     rows.append(("kernels", kernels.describe(),
                  f"{kernels.KERNELS_ENV}=torch|fla|auto, {kernels.ATTENTION_ENV}=dense|flex|auto choose"))
     for field, value, where in rows:
@@ -201,9 +205,9 @@ def decode_modes(cfg) -> str:
                 "autoregressive nor verified applies")
     return ("diffusion (threshold or k tokens per step: fastest, output differs from the trunk's where the preview "
             "does); autoregressive (the causal trunk, exact, one token per forward); verified (the trunk's "
-            "autoregressive output token for token, greedy only; per block the preview's forwards, one check and "
-            "one commit, so it saves forwards only where the preview agrees with the trunk for several tokens: "
-            "pick it for extraction, where every value must be the trunk's)")
+            "autoregressive output token for token, greedy only; per round the preview's forwards and one check, "
+            "so it saves forwards only where the preview agrees with the trunk for several tokens: pick it for "
+            "extraction, where every value must be the trunk's)")
 
 
 @model_app.command("inspect")

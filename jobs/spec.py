@@ -222,7 +222,12 @@ class ModelSpec(_Strict):
         description="A preset name (tiny, tiny-ar, bench, bench-ar, "
         "clover-35b-a3b), a checkpoint folder, or a checkpoint URI (copied once per node).",
     )
-    dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="Weight and activation dtype.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto",
+        description="Weight, activation and GEMM dtype (recurrent state, softmaxes, router probabilities and the "
+        "logits read for confidence stay fp32). auto: the checkpoint's dtype where the device computes it fast "
+        "(CUDA with bf16; a CPU with AMX or AVX-512 BF16 units), else float32; the run report's kernels line says "
+        "what was chosen and why.")
     storage_options: dict[str, Any] = Field(default={}, description="fsspec options when `source` is a URI.")
     cache_dir: str | None = Field(
         default=None,

@@ -14,6 +14,10 @@ Notable choices:
   operator of the public record (`preview_operator: clover`) and prefills and commits causally.
 - Every value remembers where it came from (`CloverConfig.sources`: "config.json:text_config.hidden_size", a
   job override, or the reference's default), for `model inspect`.
+
+Why one file of about 650 lines: the config's fields, the presets, and the reading of Hugging Face and Clover
+config files (every name a checkpoint may use, with the source each value came from) are one schema; apart, every
+new field would be written in three files.
 """
 
 from __future__ import annotations

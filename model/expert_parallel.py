@@ -18,6 +18,9 @@ Notable choices:
 - The collective is chosen once, here: `all_to_all_single` where the backend has it, else paired send/recv.
 
 Shapes: N tokens, D hidden, E experts in the model, L experts per rank, W world size, P routed pairs.
+
+Why one file of about 540 lines: the ranks' process group, the token exchange, the keepalive and the restart
+rules are one protocol; a reader follows a round from the driver to the workers and back in one place.
 """
 
 from __future__ import annotations

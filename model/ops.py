@@ -10,6 +10,10 @@ Notable choices:
 - Matmuls with bf16 operands on a CPU without native bf16 units run 50-600x slower than fp32 (measured on the
   AVX2 dev machines), so there `linear` and `grouped_mm` compute in fp32 and round the result to bf16: the same
   values a bf16 GEMM with fp32 accumulation gives, up to summation order.
+
+Why one file of about 680 lines: every fast op sits beside the torch reference it must equal (GDN chunked and
+recurrent, its one-token step, attention's masks, grouped GEMMs), so a reader checks an optimisation against its
+reference on the same screen; the ops share only torch, and each is a plain function.
 """
 
 from __future__ import annotations
@@ -24,18 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .precision import cpu_bf16_units
 
 # ---- matmul policy ------------------------------------------------------------------------------------------
 
 
-@functools.cache
 def _cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return cpu_bf16_units() is not None
 
 
 def _upcast(t: torch.Tensor) -> bool:

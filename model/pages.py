@@ -1,11 +1,15 @@
-"""Pages of attention keys and values: the allocator and each sequence's page table, host-side bookkeeping only.
+"""Pages of attention keys and values: the allocator, each sequence's page table, and the page manager that mirrors
+them on the device.
 
 A page holds the keys and values of `page_size` consecutive positions of one sequence (every attention layer has
 its own tensors; they share the page numbers). A sequence's logical page `lp` holds positions
 [lp * page_size, (lp + 1) * page_size); its table maps the logical pages it still needs to physical pages. The
 engine asks for pages before a forward writes past what its sequence holds (`grow`), gives back the pages a sliding
-window has passed (`slide`) and all of them when the sequence leaves (`release`). Nothing here touches a tensor:
-slots.py mirrors the tables on the device.
+window has passed (`slide`) and all of them when the sequence leaves (`release`). `PagePool` is the host-side
+bookkeeping and touches no tensor; `PageManager` owns a pool and its device side: the page table [S, M] that
+attention reads (logical page lp of a slot at column lp % M), the position held by every pool entry, and the
+zeroing of a page when it is taken (attention multiplies masked entries by zero weights, and 0 * NaN garbage is
+NaN). slots.SlotState holds one.
 
 Invariants (tests/test_pages.py):
 - a physical page is either free or held by exactly one sequence, never both, never two;
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+import torch
 
 
 class PoolExhausted(Exception):
@@ -144,3 +150,66 @@ class PagePool:
         assert not set(held) & set(self._free), "a held page is also free"
         assert len(held) + len(self._free) == self.num_pages, "pages lost or made up"
         assert len(set(self._free)) == len(self._free), "a page is free twice"
+
+
+class PageManager:
+    """A pool of pages for `num_slots` sequences and its device mirror: page tables, entry positions, zeroing."""
+
+    def __init__(self, num_slots: int, num_pages: int, page_size: int, columns: int, kv: list[torch.Tensor],
+                 device: torch.device | str) -> None:
+        """columns: page-table columns M per slot; kv: every attention layer's key and value pools, [N, ...] with
+        N = (num_pages + 1) * page_size (the last page is the null page, never handed out)."""
+        self.pool = PagePool(num_pages, page_size)
+        self.page_size, self.columns, self.kv = page_size, columns, kv
+        self.null = num_pages * page_size  # the first entry of the zeroed null page (padding of gathers)
+        N = (num_pages + 1) * page_size
+        self.pool_pos = torch.full((N,), -1, dtype=torch.long, device=device)  # position held by each entry
+        self.table = torch.full((num_slots, columns), -1, dtype=torch.long, device=device)  # physical page per column
+
+    def grow(self, slot: int, end_position: int) -> int:
+        """Make `slot` hold pages for every position < end_position (from its window's start); returns the pages
+        taken. Raises PoolExhausted, taking nothing, when the pool cannot."""
+        added = self.pool.grow(slot, end_position)
+        held = self.pool.tables[slot]
+        if len(held.pages) > self.columns:  # the engine keeps a row's live span within window + forward
+            raise AssertionError(f"slot {slot} holds {len(held.pages)} pages, more than its table's "
+                                 f"{self.columns} columns")
+        if added:
+            ps, dev = self.page_size, self.table.device
+            cols = torch.tensor([lp % self.columns for lp, _ in added], dtype=torch.long)
+            pages = torch.tensor([page for _, page in added], dtype=torch.long)
+            self.table[slot].index_copy_(0, cols.to(dev), pages.to(dev))
+            for page in pages.tolist():
+                for t in self.kv:
+                    t[page * ps:(page + 1) * ps].zero_()
+                self.pool_pos[page * ps:(page + 1) * ps].fill_(-1)
+        return len(added)
+
+    def slide(self, slot: int, first_position: int) -> int:
+        """Give back the pages of `slot` wholly before `first_position`; returns how many."""
+        gone = self.pool.slide(slot, first_position)
+        self._unmap(slot, gone)
+        return len(gone)
+
+    def release(self, slot: int) -> None:
+        """Give back every page of `slot`."""
+        self._unmap(slot, self.pool.release(slot))
+
+    def _unmap(self, slot: int, gone: list[tuple[int, int]]) -> None:
+        if gone:
+            cols = torch.tensor([lp % self.columns for lp, _ in gone], dtype=torch.long, device=self.table.device)
+            self.table[slot].index_fill_(0, cols, -1)
+
+    def needed(self, slot: int, end_position: int) -> int:
+        return self.pool.needed(slot, end_position)
+
+    def move(self, src: int, dst: int) -> None:
+        """The pages of slot `src` become the free slot `dst`'s (keys and values stay where they are)."""
+        self.release(dst)
+        self.pool.rename(src, dst)
+        self.table[dst].copy_(self.table[src])
+        self.table[src].fill_(-1)
+
+    def swap(self, a: int, b: int) -> None:
+        self.table[[a, b]] = self.table[[b, a]]
+        self.pool.swap(a, b)

@@ -6,14 +6,15 @@ forward (a contiguous range of slots), T new tokens per row, K keys a row reads.
 
 Notable choices:
 - GDN recurrent and conv state are fixed-size: one row per slot, written in place. Attention keys and values live in
-  one pool of pages per attention layer ([N, Hkv, D], token-major), handed out by pages.PagePool: a slot holds only
-  the pages its sequence needs now, so a 2K-token document costs 2K positions of keys whatever the window. A slot's
-  device page table [S, M] maps logical page lp to its physical page at column lp % M (M pages cover the window
-  plus the longest forward); the host tables of pages.py are the truth and the device table mirrors them.
-- The engine grows a slot's pages before a forward writes past them (`grow`: may raise PoolExhausted, taking
+  one pool of pages per attention layer ([N, Hkv, D], token-major), handed out by the page manager
+  (pages.PageManager, which SlotState holds): a slot holds only the pages its sequence needs now, so a 2K-token
+  document costs 2K positions of keys whatever the window. A slot's device page table [S, M] maps logical page lp
+  to its physical page at column lp % M (M pages cover the window plus the longest forward); the host tables of
+  pages.py are the truth and the device table mirrors them.
+- The scheduler grows a slot's pages before a forward writes past them (`grow`: may raise PoolExhausted, taking
   nothing), slides them after a commit (`slide`: pages the window has passed go back) and releases them when the
-  sequence leaves. A page is zeroed when it is taken (attention multiplies masked entries by zero weights, and
-  0 * NaN garbage is NaN), so untouched pool memory is never written: it costs address space, not RAM.
+  sequence leaves. A page is zeroed when it is taken, so untouched pool memory is never written: it costs address
+  space, not RAM.
 - A forward writes its new keys first (every layer at the same pool entries, `write_index`), then each row reads
   its live keys, the positions [max(0, L - window + 1), L + T) of a row of L committed tokens, as whole pages
   (`page_reads`): rows are grouped by how many pages that span, and each group copies its rows' pages into one
@@ -33,6 +34,10 @@ Notable choices:
   kernels per sequence over the packed tokens, attention unpacks queries per row.
 - Per-slot bytes and per-page bytes follow from the config (`slot_bytes`), so the engine sizes the pool from its
   memory budget and admits sequences by the pages they need.
+
+Why one file of about 520 lines, and SlotRows over 200: SlotState (the state at rest) and SlotRows (one forward's
+view of it: which rows commit, where new keys go, which keys each row reads by whole pages or entry by entry, and
+the static variant CUDA graphs replay) are two sides of one layout; apart, each would import the other.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch
 
 from . import kernels
 from .config import CloverConfig
-from .pages import PagePool, pages_for
+from .pages import PageManager, pages_for
 from .preview import PreviewPlan
 from .state import KeyRead, PagedKeys
 
@@ -141,8 +146,6 @@ class SlotState:
         self.config, self.num_slots, self.window = config, num_slots, window
         self.max_forward_tokens, self.page_size = max_forward_tokens, page_size
         self.columns = table_columns(window, max_forward_tokens + lookahead_tokens, page_size)
-        self.pool = PagePool(num_pages, page_size)
-        self.null = num_pages * page_size  # the first entry of the zeroed null page (padding of gathers)
         S, N = num_slots, (num_pages + 1) * page_size
         conv_channels = 2 * config.linear_key_dim + config.linear_value_dim
         self.recurrent: list[torch.Tensor | None] = []  # [S, Hv, Dk, Dv] fp32 per GDN layer
@@ -160,11 +163,12 @@ class SlotState:
             # empty: a page is zeroed when it is taken, so pool memory nobody uses is never touched
             self.keys.append(None if gdn else torch.empty(kv_shape, dtype=dtype, device=device))
             self.values.append(None if gdn else torch.empty(kv_shape, dtype=dtype, device=device))
-        for t in (*self.keys, *self.values):
-            if t is not None:
-                t[self.null:].zero_()
-        self.pool_pos = torch.full((N,), -1, dtype=torch.long, device=device)  # position held by each entry
-        self.table = torch.full((S, self.columns), -1, dtype=torch.long, device=device)  # physical page per column
+        kv = [t for t in (*self.keys, *self.values) if t is not None]
+        self.pages = PageManager(S, num_pages, page_size, self.columns, kv, device)
+        self.pool, self.null = self.pages.pool, self.pages.null
+        self.pool_pos, self.table = self.pages.pool_pos, self.pages.table  # the page manager's device tables
+        for t in kv:
+            t[self.null:].zero_()
         self.positions = torch.zeros(S, dtype=torch.long, device=device)  # committed tokens per slot
         # dense attention reads whole pages per group of rows (SlotRows.page_reads); False: entry by entry, the
         # reference (tests compare the two)
@@ -179,44 +183,18 @@ class SlotState:
         layers = [t for ts in (self.recurrent, self.conv, self.keys, self.values) for t in ts if t is not None]
         return [*layers, self.pool_pos, self.table, self.positions]
 
-    # ---- pages --------------------------------------------------------------------------------------------------
+    # ---- pages (the page manager's) -------------------------------------------------------------------------
     def grow(self, slot: int, end_position: int) -> int:
-        """Make `slot` hold pages for every position < end_position (from its window's start); returns the pages
-        taken. Raises pages.PoolExhausted, taking nothing, when the pool cannot."""
-        added = self.pool.grow(slot, end_position)
-        held = self.pool.tables[slot]
-        if len(held.pages) > self.columns:  # the engine keeps a row's live span within window + forward
-            raise AssertionError(f"slot {slot} holds {len(held.pages)} pages, more than its table's "
-                                 f"{self.columns} columns")
-        if added:
-            ps = self.page_size
-            cols = torch.tensor([lp % self.columns for lp, _ in added], dtype=torch.long)
-            pages = torch.tensor([page for _, page in added], dtype=torch.long)
-            self.table[slot].index_copy_(0, cols.to(self.device), pages.to(self.device))
-            for page in pages.tolist():
-                for t in (*self.keys, *self.values):
-                    if t is not None:
-                        t[page * ps:(page + 1) * ps].zero_()
-                self.pool_pos[page * ps:(page + 1) * ps].fill_(-1)
-        return len(added)
+        return self.pages.grow(slot, end_position)
 
     def slide(self, slot: int, first_position: int) -> int:
-        """Give back the pages of `slot` wholly before `first_position`; returns how many."""
-        gone = self.pool.slide(slot, first_position)
-        self._unmap(slot, gone)
-        return len(gone)
+        return self.pages.slide(slot, first_position)
 
     def release(self, slot: int) -> None:
-        """Give back every page of `slot`."""
-        self._unmap(slot, self.pool.release(slot))
-
-    def _unmap(self, slot: int, gone: list[tuple[int, int]]) -> None:
-        if gone:
-            cols = torch.tensor([lp % self.columns for lp, _ in gone], dtype=torch.long, device=self.device)
-            self.table[slot].index_fill_(0, cols, -1)
+        self.pages.release(slot)
 
     def pages_needed(self, slot: int, end_position: int) -> int:
-        return self.pool.needed(slot, end_position)
+        return self.pages.needed(slot, end_position)
 
     # ---- slots --------------------------------------------------------------------------------------------------
     def reset(self, slot: int) -> None:
@@ -235,10 +213,7 @@ class SlotState:
             for t in ts:
                 if t is not None:
                     t[dst].copy_(t[src])
-        self.release(dst)
-        self.pool.rename(src, dst)
-        self.table[dst].copy_(self.table[src])
-        self.table[src].fill_(-1)
+        self.pages.move(src, dst)
         self.positions[dst] = self.positions[src]
 
     def swap(self, a: int, b: int) -> None:
@@ -247,9 +222,8 @@ class SlotState:
             for t in ts:
                 if t is not None:
                     t[[a, b]] = t[[b, a]]
-        for t in (self.table, self.positions):
-            t[[a, b]] = t[[b, a]]
-        self.pool.swap(a, b)
+        self.positions[[a, b]] = self.positions[[b, a]]
+        self.pages.swap(a, b)
 
     def rows(self, start: int, lengths: list[int], tokens: int, commit: list[int] | None,
              commit_tokens: int | None = None) -> SlotRows:

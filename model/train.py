@@ -48,6 +48,10 @@ Notable choices:
 - `train_phases` runs phases (each its own AdamW and schedule, from the previous phase's weights) and saves what a
   resumed run needs (weights, optimizer, noise generator, step) every `save_every` steps: a resumed run replays its
   data stream to the saved step, so it sees the data in the same order and ends with the same weights.
+
+Why one file of about 620 lines: the two objectives (autoregressive, block diffusion with Clover's preview), the
+initialisation they need and the resumable phase loop are one training recipe, used only by `model train-demo`
+and its tests.
 """
 
 from __future__ import annotations

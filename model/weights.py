@@ -7,6 +7,9 @@ Notable choices:
 - Every problem (missing, unexpected, wrongly shaped tensors) is collected first and raised as one
   `CheckpointError` naming them all.
 - Presets are initialised from a seeded generator on the CPU in fp32, so `tiny` is the same model everywhere.
+
+Why one file of about 440 lines: the one key-mapping table, the loader that reads through it (sharded, memory-
+mapped, per rank), and the writer that must produce what it reads, side by side.
 """
 
 from __future__ import annotations

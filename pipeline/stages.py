@@ -225,11 +225,14 @@ class InferStage:
         import ray
         import torch
         from clover_batch.model import Engine, kernels, load_model
+        from clover_batch.model.precision import checkpoint_dtype, choose_dtype
         from clover_batch.pipeline.metrics import ReplicaMetrics
         from clover_batch.pipeline.serving import EngineLoop
 
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[model.dtype]
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        # model.dtype auto: the checkpoint's dtype where this device computes it fast (model/precision.py)
+        choice = choose_dtype(model.dtype, checkpoint_dtype(model.local()), device)
+        dtype = choice.dtype
         self.replica = None
         # Poison documents: attempts are written down as documents enter the engine (output/_attempts/), so one
         # that keeps killing this process ends as a `crashed` row instead of being retried by Ray forever.
@@ -246,7 +249,7 @@ class InferStage:
             if model.expert_parallel > 1:
                 from clover_batch.pipeline.expert_parallel import group_prefix, load_replica
 
-                self.replica = load_replica(model.local(), expert_parallel=model.expert_parallel, dtype=model.dtype,
+                self.replica = load_replica(model.local(), expert_parallel=model.expert_parallel, dtype=choice.name,
                                             device=device, num_threads=max(1, num_threads),
                                             num_cpus_per_rank=rank_num_cpus,
                                             group_prefix=f"{group_prefix(run_id)}{replica_index}-",
@@ -264,7 +267,7 @@ class InferStage:
                                on_leave=on_leave, on_step=self.metrics.stepped if self.metrics else None)
         self.engine = self.loop.engine
         self.kernels = (f"{kernels.describe()}; CUDA graphs {'on' if self.engine.static else 'off'}; "
-                        f"{self.model.dtype} on {device}")
+                        f"{self.model.dtype} on {device} ({choice.reason})")
         b = self.engine.slot_bytes
         log.info("replica loaded %s on %s: %d slots of %.1f MiB, %d pages of %d positions (%.2f MiB each)",
                  self.model.config.name, device, self.engine.num_slots, b.fixed / 2**20, self.engine.num_pages,

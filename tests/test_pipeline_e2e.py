@@ -172,7 +172,8 @@ def test_ray_batches_feed_one_engine_per_replica(ray_session, tmp_path):
     report = run(spec).report
     assert report.by_status == {"ok": 10}
     assert report.max_decode_batch > 2
-    assert report.kernels == ["torch; attention dense; CUDA graphs off; torch.float32 on cpu"]
+    assert report.kernels == ["torch; attention dense; CUDA graphs off; torch.float32 on cpu (auto: the weights "
+                              "have no stored dtype (a preset), so fp32)"]
     model, builder = load_model("tiny"), PromptBuilder("tiny")
     for row in read_output(Location(str(tmp_path / "out"))).to_pylist():
         ids = builder.build("Summarize.", (docs / os.path.basename(row["source_uri"])).read_text())
