@@ -29,18 +29,9 @@ import time
 
 import torch
 from clover_batch.model import DecodeOptions, Engine, Request, generate, kernels, load_model, save_checkpoint
+from clover_batch.model.precision import bf16_twin
 
 log = logging.getLogger("bench.precision")
-
-
-def _bf16_pair(preset: str) -> tuple:
-    f32 = load_model(preset, seed=0)
-    with torch.no_grad():
-        for p in f32.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    b16 = load_model(preset, seed=0, dtype=torch.bfloat16)
-    b16.load_state_dict({k: v.to(torch.bfloat16) for k, v in f32.state_dict().items()})
-    return f32, b16
 
 
 def _engine_run(model, prompts: list[list[int]], new: int) -> Engine:
@@ -54,7 +45,7 @@ def _engine_run(model, prompts: list[list[int]], new: int) -> Engine:
 
 
 def part_speed(args) -> list[str]:
-    f32, b16 = _bf16_pair(f"{args.preset}-ar")
+    f32, b16 = bf16_twin(f"{args.preset}-ar")
     gen = torch.Generator().manual_seed(1)
     long_prompts = torch.randint(3, 256, (16, 512), generator=gen).tolist()
     short_prompts = torch.randint(3, 256, (16, 256), generator=gen).tolist()
@@ -133,7 +124,7 @@ def _weight_bytes(model) -> tuple[int, int]:
 def part_floor(args) -> list[str]:
     from clover_batch.model import moe
 
-    f32, b16 = _bf16_pair(f"{args.preset}-ar")
+    f32, b16 = bf16_twin(f"{args.preset}-ar")
     bw = _bandwidth()
     gen = torch.Generator().manual_seed(2)
     prompts = torch.randint(3, 256, (16, 256), generator=gen).tolist()

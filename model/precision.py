@@ -96,3 +96,17 @@ def choose_dtype(requested: str, stored: str | None, device: torch.device | str)
         return DtypeChoice(torch.bfloat16, f"auto: bf16 checkpoint on a CPU with bf16 matrix units ({units})")
     return DtypeChoice(torch.float32, "auto: bf16 checkpoint, but this CPU has no bf16 matrix units (AMX or "
                                       "AVX-512 BF16), where bf16 matmuls run far slower: fp32")
+
+
+def bf16_twin(source: str, seed: int = 0) -> tuple:
+    """(fp32 model, bf16 model) holding the same values: the fp32 model's weights rounded to bf16 first. What tests
+    and benches compare bf16 against, so that a difference is the computation's, not the weights'."""
+    from . import load_model
+
+    f32 = load_model(source, seed=seed)
+    with torch.no_grad():
+        for p in f32.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    b16 = load_model(source, seed=seed, dtype=torch.bfloat16)
+    b16.load_state_dict({k: v.to(torch.bfloat16) for k, v in f32.state_dict().items()})
+    return f32, b16

@@ -15,22 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 from clover_batch.model import DecodeOptions, Engine, Request, load_model
-from clover_batch.model.precision import checkpoint_dtype, choose_dtype, cpu_bf16_units
+from clover_batch.model.precision import bf16_twin, checkpoint_dtype, choose_dtype, cpu_bf16_units
 
 U = 2.0 ** -8  # bf16 unit roundoff
 LAYER_BOUND = 8 * U  # one decoder layer (module docstring)
 LOGITS_BOUND = 4 * LAYER_BOUND  # four layers, then the final norm and the lm_head
-
-
-def _pair(preset: str) -> tuple:
-    """The same bf16-representable weights in an fp32 model and in a bf16 model."""
-    f32 = load_model(preset, seed=3)
-    with torch.no_grad():
-        for p in f32.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    b16 = load_model(preset, seed=3, dtype=torch.bfloat16)
-    b16.load_state_dict({k: v.to(torch.bfloat16) for k, v in f32.state_dict().items()})
-    return f32, b16
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -42,7 +31,7 @@ def test_each_layer_in_bf16_stays_within_its_bound_of_fp32(preset):
     """Each decoder layer of the bf16 model, given the fp32 model's input to it (rounded to bf16), against the fp32
     layer: GDN and attention layers alike within LAYER_BOUND; the logits of the whole forward within
     LOGITS_BOUND; the causal forward and a preview (denoising) pass."""
-    f32, b16 = _pair(preset)
+    f32, b16 = bf16_twin(preset, seed=3)
     ids = torch.randint(4, f32.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     inputs: dict[int, torch.Tensor] = {}
     outputs: dict[str, dict[int, torch.Tensor]] = {"f32": {}, "b16": {}}
