@@ -27,10 +27,15 @@ ROOT = Path(__file__).resolve().parents[1]
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-def run(tree: Path, argv: list[str]) -> list[str]:
-    """The bench script's stdout lines, run from `tree` with `tree`'s package first on the path."""
+def run(tree: Path, argv: list[str], timeout_s: float) -> list[str]:
+    """The bench script's stdout lines, run from `tree` with `tree`'s package first on the path; a run past
+    `timeout_s` is stopped and named."""
     env = dict(os.environ, PYTHONPATH=str(tree.parent / "_pkg") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, *argv], cwd=tree, env=env, capture_output=True, text=True, check=False)
+    try:
+        out = subprocess.run([sys.executable, *argv], cwd=tree, env=env, capture_output=True, text=True, check=False,
+                             timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"{tree}: {' '.join(argv)} ran past --timeout-s {timeout_s:.0f} s; stopped") from None
     if out.returncode:
         raise SystemExit(f"{tree}: {' '.join(argv)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return out.stdout.splitlines()
@@ -56,6 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("revision", help="the before side: a git revision of this repository")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--timeout-s", type=float, default=3600, help="most seconds one run of the bench may take")
     if "--" not in sys.argv:
         ap.error("give the bench script and its arguments after --")
     cut = sys.argv.index("--")
@@ -65,7 +71,7 @@ def main() -> None:
         before_tree.parent.mkdir()
         after_tree.parent.mkdir()
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(before_tree),
-                        args.revision], check=True)
+                        args.revision], check=True, timeout=300)
         after_tree.symlink_to(ROOT, target_is_directory=True)
         try:
             for tree in (before_tree, after_tree):
@@ -74,11 +80,12 @@ def main() -> None:
             for r in range(args.rounds):
                 for side, tree in (("before", before_tree), ("after", after_tree)):
                     print(f"round {r + 1}: {side}", file=sys.stderr, flush=True)
-                    best[side].append(run(tree, argv))
+                    best[side].append(run(tree, argv, args.timeout_s))
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before_tree)], check=False)
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before_tree)], check=False,
+                           timeout=300)
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.revision], capture_output=True,
-                         text=True, check=False).stdout.strip()
+                         text=True, check=False, timeout=60).stdout.strip()
     print(f"before: {args.revision} ({rev}); after: this working tree; {args.rounds} rounds, taking turns; "
           f"ratios after / before of each number, round by round")
     for lines in zip(*best["after"], *best["before"], strict=False):

@@ -70,55 +70,55 @@ class Verified(Decoding):
         if fresh:  # a block after prefill: its first token is the trunk's choice from the saved logits
             self._first_tokens(fresh_idx)
         previews = torch.zeros(n, dtype=torch.long, device=dev)  # preview forwards that drafted for each row
-        forwards, first = 0, True
-        while True:
-            if first:
-                wants_preview = any(lv.known + (lv.known == 0) < lv.room and not lv.commit_next for lv in lives)
-                if not (commit or wants_preview):
-                    break
-                ids = torch.cat([block, torch.full_like(block, mask)], dim=1) if merge else block
-                logits = self._forward_decode(ids, commit, commit_tokens=bs, attention=self._preview_attention,
-                                              keep_logits=None, preview=True)
-                if commit:  # the committed block's last position's logits choose the next block's first token
-                    raw.index_copy_(0, commit_idx, logits.index_select(0, commit_idx)[:, bs - 1].float())
-                    if counts is not None:  # the response now holds the committed block
-                        counts.index_copy_(0, commit_idx, counts.index_select(0, commit_idx).scatter_add(
-                            1, block.index_select(0, commit_idx), torch.ones(len(commit), bs, device=dev)))
-                    block.index_fill_(0, commit_idx, mask)
-                    limit.index_copy_(0, commit_idx, room)
-                    self._first_tokens(commit_idx)
-                    for i in commit:  # the later forwards of the step run after the committed block
-                        live = lives[i]
-                        live.commit_next = False
-                        live.length += bs
-                        self._slide(live)
-                        live.known, live.room = 0, min(bs, live.max_new - len(live.out))
-                if merge:  # each row's block logits: the second half for committing rows, the first for the others
-                    half = torch.zeros(n, dtype=torch.long, device=dev).index_fill_(0, commit_idx, bs)
-                    where = (half[:, None] + pos)[..., None].expand(n, bs, logits.shape[-1])
-                    logits = logits.gather(1, where)
-                first = False
-            else:
-                logits = None
-            settled = known.clamp(min=1)  # positions known before this step's drafts (the first always is)
-            needed = (block == mask) & (pos >= settled[:, None]) & (pos < limit[:, None]) & drafting[:, None]
-            if logits is None:
-                if not bool(needed.any()):  # a host sync per further preview (a diffusion step has one too)
-                    break
-                logits = self._forward_decode(block, [], commit_tokens=bs, attention=self._preview_attention,
-                                              keep_logits=None, preview=True)
-            forwards += 1
-            previews += needed.any(-1)
+        settled = known.clamp(min=1)  # the block's positions known before this step's drafts (the first always is)
+        forwards = 0
+
+        def needed() -> torch.Tensor:
+            return (block == mask) & (pos >= settled[:, None]) & (pos < limit[:, None]) & drafting[:, None]
+
+        def draft(logits: torch.Tensor, fill: torch.Tensor) -> None:
+            """Fill the `fill` positions the preview's logits choose (threshold or k, as a diffusion step)."""
+            previews.add_(fill.any(-1))
             # position t is predicted from t - 1: the block's first from the last committed position
             step_logits = torch.cat([raw[:, None], logits[:, :-1].float()], dim=1)
             if counts is not None:  # the response so far and the block's decided tokens
                 decided = (pos < settled[:, None]) | ((block != mask) & (pos < limit[:, None]))
-                draft_counts = counts.scatter_add(1, block, decided.to(counts.dtype))
-                step_logits = apply_penalties(step_logits, draft_counts, opt)
+                step_logits = apply_penalties(step_logits, counts.scatter_add(1, block, decided.to(counts.dtype)),
+                                              opt)
             step_logits[..., mask] = -math.inf  # never "predict" a mask
             tok, conf = pick_tokens(step_logits, 0.0, 1.0)
-            chosen = select_block_positions(conf, needed, opt.threshold, opt.tokens_per_step)
+            chosen = select_block_positions(conf, fill, opt.threshold, opt.tokens_per_step)
             block.copy_(torch.where(chosen, tok, block))
+
+        if commit or any(lv.known + (lv.known == 0) < lv.room for lv in lives if not lv.commit_next):
+            # the step's first forward: complete blocks commit (merged: beside their next block's first preview)
+            ids = torch.cat([block, torch.full_like(block, mask)], dim=1) if merge else block
+            logits = self._forward_decode(ids, commit, commit_tokens=bs, attention=self._preview_attention,
+                                          keep_logits=None, preview=True)
+            forwards += 1
+            if commit:  # the committed block's last position's logits choose the next block's first token
+                raw.index_copy_(0, commit_idx, logits.index_select(0, commit_idx)[:, bs - 1].float())
+                if counts is not None:  # the response now holds the committed block
+                    counts.index_copy_(0, commit_idx, counts.index_select(0, commit_idx).scatter_add(
+                        1, block.index_select(0, commit_idx), torch.ones(len(commit), bs, device=dev)))
+                block.index_fill_(0, commit_idx, mask)
+                limit.index_copy_(0, commit_idx, room)
+                self._first_tokens(commit_idx)
+                for i in commit:  # the later forwards of the step run after the committed block
+                    live = lives[i]
+                    live.commit_next = False
+                    live.length += bs
+                    self._slide(live)
+                    live.known, live.room = 0, min(bs, live.max_new - len(live.out))
+            if merge:  # each row's block logits: the second half for committing rows, the first for the others
+                half = torch.zeros(n, dtype=torch.long, device=dev).index_fill_(0, commit_idx, bs)
+                where = (half[:, None] + pos)[..., None].expand(n, bs, logits.shape[-1])
+                logits = logits.gather(1, where)
+            draft(logits, needed())
+            while bool((fill := needed()).any()):  # a host sync per further preview (a diffusion step has one too)
+                draft(self._forward_decode(block, [], commit_tokens=bs, attention=self._preview_attention,
+                                           keep_logits=None, preview=True), fill)
+                forwards += 1
         # the check: one causal forward over every row's block, writing no state; position t's logits choose t + 1
         check = self._forward_decode(block, [], commit_tokens=bs, attention="causal", keep_logits=None).float()
         forwards += 1
@@ -129,7 +129,6 @@ class Verified(Decoding):
         else:
             trunk_logits = check
         trunk, _ = pick_tokens(trunk_logits, 0.0, 1.0)  # [n, bs] the trunk's greedy token after each position
-        settled = known.clamp(min=1)
         # position t >= 1 holds: known before the step, or drafted and the trunk's choice after t - 1 (beyond the
         # limit counts as holding, so the run is cut by the limit)
         holds = ((pos[1:] < settled[:, None]) | ((block[:, 1:] != mask) & (trunk[:, :-1] == block[:, 1:]))
