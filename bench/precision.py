@@ -26,6 +26,7 @@ import json
 import logging
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from clover_batch.model import DecodeOptions, Engine, Request, generate, kernels, load_model, save_checkpoint
@@ -160,12 +161,13 @@ def part_demo(args) -> list[str]:
     from clover_batch.jobs.demo_corpus import held_out
     from clover_batch.jobs.demo_model import DEMO_DIR, PairMaker, field_matches, job_instructions
 
-    maker = PairMaker(DEMO_DIR, job_instructions())
+    model_dir = Path(args.model) if args.model else DEMO_DIR
+    maker = PairMaker(model_dir, job_instructions())
     docs = held_out(args.docs)
     prompts = [maker.prompt(d, t) for d in docs for t in ("extract", "summarize")]
     out = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        model = load_model(DEMO_DIR, dtype=dtype)
+        model = load_model(model_dir, dtype=dtype)
         gens = []
         for i in range(0, len(prompts), 8):
             gens += generate(model, prompts[i:i + 8], mode="autoregressive", max_new_tokens=96)
@@ -184,7 +186,7 @@ def part_demo(args) -> list[str]:
             hits += sum(m.values())
             cells += len(m)
         fields[name] = hits / cells
-    return [f"demo checkpoint, {args.docs} held-out documents x 2 tasks, greedy autoregressive:",
+    return [f"demo checkpoint {model_dir}, {args.docs} held-out documents x 2 tasks, greedy autoregressive:",
             f"  first 32 tokens agreeing position by position, bf16 vs fp32: {agree}/{total} ({agree / total:.1%}); "
             f"whole outputs identical {same}/{len(prompts)}",
             f"  extraction fields exact: fp32 {fields['fp32']:.1%}, bf16 {fields['bf16']:.1%}"]
@@ -197,6 +199,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--docs", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", help="checkpoint folder for the demo part (default: the demo checkpoint)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     kernels.model_threads(args.threads)
