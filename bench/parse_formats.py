@@ -149,20 +149,22 @@ def reference_worker(path: str, repeats: int) -> None:
     warm = pymupdf.open(stream=first_page(data))
     recognise_document(warm, "auto", recogniser)
     markdown_reference(warm)
-    seconds, text = [], ""
+    seconds, cpu, text = [], [], ""
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         with pymupdf.open(stream=data, filetype="pdf") as doc:
             recognise_document(doc, "auto", recogniser)
             [page.get_text() for page in doc]
             text = clean(markdown_reference(doc).strip())
         seconds.append(time.perf_counter() - start)
-    print(json.dumps({"seconds": seconds, "sha": hashlib.sha256(text.encode()).hexdigest(),
+        cpu.append(time.process_time() - cpu_start)
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "sha": hashlib.sha256(text.encode()).hexdigest(),
                       "table_rows": sum(line.startswith("|") for line in text.splitlines())}))
 
 
 def before_after(corpus: dict[str, bytes], repeats: int, workdir: Path) -> list[tuple]:
-    """(document, pages, before s, after s, same text, table rows before, after): medians, sides alternating."""
+    """(document, pages, before s, after s, same text, table rows before, after, before CPU s, after CPU s):
+    medians, sides alternating. CPU seconds are the process's, all its threads."""
     import hashlib
     import json
     import subprocess
@@ -174,25 +176,34 @@ def before_after(corpus: dict[str, bytes], repeats: int, workdir: Path) -> list[
             path = workdir / f"{name}.pdf"
             path.write_bytes(data)
             parser.parse("warm.pdf", first_page(data), timeout_s=3600)
-            before, after, text, ref = [], [], "", {}
+            before, after, cpu_before, cpu_after, text, ref = [], [], [], [], "", {}
             for _ in range(repeats):
                 proc = subprocess.run([sys.executable, __file__, "--reference-worker", str(path)], check=True,
                                       capture_output=True, text=True, env={**os.environ, "CLOVER_LAYOUT_THREADS": "0"})
                 ref = json.loads(proc.stdout.strip().splitlines()[-1])
                 before += ref["seconds"]
-                start = time.perf_counter()
+                cpu_before += ref["cpu"]
+                start, cpu_start = time.perf_counter(), child_cpu(parser)
                 parsed = parser.parse(f"{name}.pdf", data, timeout_s=3600)
                 after.append(time.perf_counter() - start)
+                cpu_after.append(child_cpu(parser) - cpu_start)
                 if parsed.status != "ok":
                     raise RuntimeError(f"{name}: {parsed.status}: {parsed.error}")
                 text = parsed.text
             rows = sum(line.startswith("|") for line in text.splitlines())
             same = hashlib.sha256(text.encode()).hexdigest() == ref["sha"]
             out.append((name, pymupdf.open(stream=data).page_count, statistics.median(before),
-                        statistics.median(after), same, ref["table_rows"], rows))
+                        statistics.median(after), same, ref["table_rows"], rows, statistics.median(cpu_before),
+                        statistics.median(cpu_after)))
     finally:
         parser.close()
     return out
+
+
+def child_cpu(parser: IsolatedParser) -> float:
+    """CPU seconds the parser's child process has used, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{parser._proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def range_overhead(data: bytes, sizes: list[int]) -> list[tuple[int, int, float]]:
@@ -263,11 +274,13 @@ def long_documents(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = before_after({f"text-heavy ({args.long_pages} p.)": long_pdf,
                              f"text+tables ({args.pages} p.)": multipage_pdf(args.pages)}, args.repeats, Path(tmp))
-        print("\ndefault parsing (Markdown, OCR auto), pages per second of one worker: before (one pymupdf4llm call, "
-              "onnxruntime's threads) vs after")
-        print(f"{'document':24s}{'before':>9s}{'after':>9s}{'after/before':>14s}{'same text':>11s}{'table rows':>12s}")
-        for name, pages, before, after, same, rows_before, rows_after in rows:
-            print(f"{name:24s}{pages / before:9.2f}{pages / after:9.2f}{before / after:13.2f}x{same!s:>11s}"
+        print("\ndefault parsing (Markdown, OCR auto), one worker: before (one pymupdf4llm call, onnxruntime's "
+              "threads and no arena) vs after (the parse child); pages per second, and pages per CPU-second")
+        print(f"{'document':24s}{'before':>9s}{'after':>9s}{'after/before':>14s}{'p/CPU-s before':>16s}"
+              f"{'after':>7s}{'ratio':>7s}{'same text':>11s}{'table rows':>12s}")
+        for name, pages, before, after, same, rows_before, rows_after, cpu_before, cpu_after in rows:
+            print(f"{name:24s}{pages / before:9.2f}{pages / after:9.2f}{before / after:13.2f}x"
+                  f"{pages / cpu_before:16.2f}{pages / cpu_after:7.2f}{cpu_before / cpu_after:6.2f}x{same!s:>11s}"
                   f"{f'{rows_before} / {rows_after}':>12s}")
         sizes = sorted({5, 10, 20, args.range_pages} & set(range(1, args.range_pages + 1)))
         overhead = range_overhead(text_pdf(args.range_pages, seed=1), sizes)

@@ -18,11 +18,12 @@ document of its batch. So PDF, DOCX, HTML, EPUB and XPS documents are parsed in 
   session, so Ctrl-C on the driver does not print its traceback.
 - Besides whole documents, a child parses page ranges of a long PDF, EPUB or XPS (`parse_range`, driven by
   pipeline/page_ranges.py), each under its own time limit.
-- The child runs the layout model (pymupdf4llm's ONNX sessions) on `LAYOUT_THREADS_ENV` threads, one by default:
-  a child serves one worker, and parallelism comes from workers and page ranges. onnxruntime's default (a thread
-  per core in every child) has each worker's threads compete with the other workers' for the same cores
-  (bench/parse_formats.py --long-only measures the two paths side by side); the text is the same
-  (tests/test_page_ranges.py).
+- The child runs the layout model (pymupdf4llm's ONNX sessions) on `LAYOUT_THREADS_ENV` threads, one by default,
+  with onnxruntime's memory arena (`configure_layout`): a child serves one worker, and parallelism comes from
+  workers and page ranges. onnxruntime's default (a thread per core in every child, spinning between ops) had
+  each child use two cores here, competing with the other workers' for the same cores; pymupdf.layout's choice
+  of no arena made every page's 57 MB of image features fresh memory, 1.3x slower. The text is the same
+  (tests/test_page_ranges.py); bench/parse_formats.py --long-only measures the paths side by side.
 
 Text and Markdown files are not sent to the child: decoding them is our own linear-time code (pipeline/parse.py),
 and there is nothing in it to hang.
@@ -99,11 +100,11 @@ def serve(request_fd: int, reply_fd: int) -> None:
     """The child's loop: read a request (JSON header, then the document's bytes), parse the document (or the page
     range the header names), reply with the Parsed (or RangeText) as JSON."""
     _die_with_parent()
-    layout_threads(int(os.environ.get(LAYOUT_THREADS_ENV, LAYOUT_THREADS)))
     import docx  # noqa: F401  (imported before the first document: its time limit is for parsing)
     import pymupdf4llm  # noqa: F401  (loads the layout model)
     import trafilatura  # noqa: F401
 
+    configure_layout(int(os.environ.get(LAYOUT_THREADS_ENV, LAYOUT_THREADS)))
     _write_blocking(reply_fd, _header(0))  # ready: pymupdf(4llm), python-docx and trafilatura are imported
     while True:
         size = _read_blocking(request_fd, 8)
@@ -125,13 +126,15 @@ def serve(request_fd: int, reply_fd: int) -> None:
         _write_blocking(reply_fd, _header(len(reply)) + reply)
 
 
-def layout_threads(n: int) -> None:
-    """ONNX sessions made from now on in this process (pymupdf4llm's layout model, made when it is imported) run
-    on `n` intra-op threads; 0 keeps onnxruntime's default. onnxruntime has no setting for this but the session
-    options each session is made with, and pymupdf.layout makes its own, so its SessionOptions class is replaced
-    by one with this default (RapidOCR sets its threads itself)."""
-    if n <= 0:
-        return
+def configure_layout(threads: int) -> list[str]:
+    """Run pymupdf.layout's ONNX sessions (pymupdf4llm's layout model) on `threads` intra-op threads (0 keeps
+    onnxruntime's default) and with onnxruntime's memory arena; returns the model files of the sessions remade.
+
+    `import pymupdf` loads the layout model, and with it makes its sessions, so options set afterwards reach only
+    sessions made later: the sessions already made are found on the model and made again with these options,
+    and onnxruntime's SessionOptions is replaced by one with these threads for the sessions made later (RapidOCR
+    sets its threads itself). The arena keeps the largest page's buffers (about 100 MB more resident memory in a
+    child than without) instead of allocating and faulting in 57 MB of image features for every page."""
     import onnxruntime
 
     base = getattr(onnxruntime.SessionOptions, "_clover_base", onnxruntime.SessionOptions)
@@ -141,10 +144,43 @@ def layout_threads(n: int) -> None:
 
         def __init__(self) -> None:
             super().__init__()
-            self.intra_op_num_threads = n
-            self.inter_op_num_threads = 1
+            if threads > 0:
+                self.intra_op_num_threads = threads
+                self.inter_op_num_threads = 1
 
     onnxruntime.SessionOptions = SessionOptions
+    import pymupdf
+
+    remade = []
+    for owner, name, session in _layout_sessions(getattr(pymupdf, "_get_layout", None)):
+        options = SessionOptions()
+        options.enable_cpu_mem_arena = True
+        setattr(owner, name, onnxruntime.InferenceSession(session._model_path, sess_options=options,
+                                                          providers=session.get_providers()))
+        remade.append(os.path.basename(session._model_path))
+    if not remade:
+        log.warning("pymupdf's layout model was not found: its ONNX sessions keep onnxruntime's default threads")
+    return remade
+
+
+def _layout_sessions(root: object, depth: int = 0, seen: set[int] | None = None):
+    """(owner, attribute, session) for each onnxruntime session reachable from pymupdf.layout's analyzer function
+    (its closure holds the model) through pymupdf.layout's own objects."""
+    import onnxruntime
+
+    seen = set() if seen is None else seen
+    if root is None or id(root) in seen or depth > 5:
+        return
+    seen.add(id(root))
+    children = [c.cell_contents for c in getattr(root, "__closure__", None) or ()] if callable(root) else []
+    for name, value in list(getattr(root, "__dict__", {}).items()):
+        if isinstance(value, onnxruntime.InferenceSession):
+            yield root, name, value
+        else:
+            children.append(value)
+    for child in children:
+        if type(child).__module__.startswith("pymupdf.layout"):
+            yield from _layout_sessions(child, depth + 1, seen)
 
 
 def _die_with_parent() -> None:

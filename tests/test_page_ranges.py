@@ -96,6 +96,42 @@ def test_one_layout_thread_gives_the_same_text_as_onnxruntimes_default(book12):
     assert texts[0] == texts[1] == reference(book12)
 
 
+def test_configure_layout_remakes_pymupdfs_layout_sessions_on_one_thread_with_the_arena():
+    """`import pymupdf` makes the layout model's sessions with onnxruntime's defaults before a parse child can set
+    anything: configure_layout finds them and makes them again (in a fresh Python, as a child starts)."""
+    code = ("import json, pymupdf; from clover_batch.pipeline.parse_process import configure_layout, _layout_sessions;"
+            "remade = configure_layout(1); options = [s.get_session_options() for _, _, s in "
+            "_layout_sessions(pymupdf._get_layout)]; print(json.dumps([remade, [(o.intra_op_num_threads, "
+            "o.inter_op_num_threads, o.enable_cpu_mem_arena) for o in options]]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    remade, options = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"feature_imf1.onnx", "layout_rf2.4.1+imf1.onnx"} <= set(remade)
+    assert options and all(o == [1, 1, True] for o in options)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads CPU time from /proc")
+def test_a_parse_child_parsing_markdown_uses_one_core(book12):
+    """A worker's parse child keeps to one core (before configure_layout its layout sessions' spinning threads took
+    1.9 of this machine's 2): its CPU time parsing a 12-page book is at most its wall time, plus a clock tick."""
+    import time
+
+    parser = IsolatedParser()
+    try:
+        parser.parse("warm.pdf", book_pdf(1), timeout_s=300)
+        before, start = _cpu_seconds(parser._proc.pid), time.monotonic()
+        got = parser.parse("book.pdf", book12, timeout_s=300)
+        cpu, wall = _cpu_seconds(parser._proc.pid) - before, time.monotonic() - start
+    finally:
+        parser.close()
+    assert got.status == "ok" and got.page_sources["markdown"] == 12
+    assert cpu <= 1.1 * wall + 0.05, f"the parse child used {cpu:.2f} CPU-seconds in {wall:.2f} s"
+
+
 @pytest.fixture
 def faults(monkeypatch):
     """Set CLOVER_BATCH_FAULT_DOC for this process's parse child (restarted so it sees it, and after the test)."""
@@ -193,7 +229,7 @@ def test_a_2000_page_book_parses_under_the_default_settings(tmp_path):
     from concurrent.futures import ProcessPoolExecutor
 
     from clover_batch.pipeline.parse import join_ranges
-    from clover_batch.pipeline.parse_process import layout_threads
+    from clover_batch.pipeline.parse_process import configure_layout
 
     book = book_pdf(2000)
     (tmp_path / "book.pdf").write_bytes(book)
@@ -201,7 +237,7 @@ def test_a_2000_page_book_parses_under_the_default_settings(tmp_path):
     assert (got["status"], got["pages"], got["page_sources"]["markdown"]) == ("ok", 2000, 2000), got["error"]
     assert len(got["table_rows"]) == 39 * (5 + 3)  # see the 101-page test
     assert all(row.startswith("|") and row.endswith("|") for row in got["table_rows"])
-    with ProcessPoolExecutor(max_workers=min(2, os.cpu_count() or 1), initializer=layout_threads,
+    with ProcessPoolExecutor(max_workers=min(2, os.cpu_count() or 1), initializer=configure_layout,
                              initargs=(1,)) as pool:
         pages = list(pool.map(_one_page, [book] * 2000, range(2000), chunksize=50))
     want = join_ranges("pdf", 2000, pages).text
