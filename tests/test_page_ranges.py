@@ -147,7 +147,7 @@ def faults(monkeypatch):
 @pytest.mark.parametrize("fault", ["markdown_hang", "markdown_crash"])
 def test_a_range_that_hangs_or_crashes_in_markdown_falls_back_to_plain_text_alone(book12, faults, fault):
     faults(f"{fault}:book.pdf#pages=6-10")
-    got = parse_ranges("book.pdf", book12, 12, timeout_s=20, pages_per_task=5, use_ray=False)
+    got = parse_ranges("book.pdf", book12, 12, timeout_s=8, pages_per_task=5, use_ray=False)
     assert (got.status, got.pages) == ("ok", 12), got.error
     assert got.page_sources == {"markdown": 7, "plain": 0, "ocr": 0, "plain_fallback": 5}
     # its pages' plain text between the other pages' Markdown (pymupdf4llm's, of those pages alone: the last two
@@ -213,7 +213,7 @@ def test_on_ray_with_2_cpus_a_long_pdf_is_parsed_in_ranges_and_joined_with_one_r
 def test_on_ray_a_range_that_hangs_in_markdown_is_plain_text_in_the_documents_one_row(tmp_path):
     book = book_pdf(6, seed=2)
     (tmp_path / "hung.pdf").write_bytes(book)
-    rows = _ray_parse([tmp_path / "hung.pdf"], {"timeout_s": 20, "pages_per_task": 2},
+    rows = _ray_parse([tmp_path / "hung.pdf"], {"timeout_s": 10, "pages_per_task": 2},
                       env={FAULT_DOC_ENV: "markdown_hang:hung.pdf#pages=3-4"})
     hung = rows["hung.pdf"]
     assert (hung["status"], hung["page_sources"]) == ("ok", {"markdown": 4, "plain": 0, "ocr": 0,
