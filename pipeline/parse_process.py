@@ -155,9 +155,14 @@ def configure_layout(threads: int) -> list[str]:
     for owner, name, session in _layout_sessions(getattr(pymupdf, "_get_layout", None)):
         options = SessionOptions()
         options.enable_cpu_mem_arena = True
-        setattr(owner, name, onnxruntime.InferenceSession(session._model_path, sess_options=options,
-                                                          providers=session.get_providers()))
-        remade.append(os.path.basename(session._model_path))
+        try:
+            path = session._model_path  # onnxruntime keeps the file a session was made from
+            setattr(owner, name, onnxruntime.InferenceSession(path, sess_options=options,
+                                                              providers=session.get_providers()))
+        except Exception as e:  # an onnxruntime without that attribute: the session stays as it was, and works
+            log.warning("pymupdf's layout session %s was not remade (%s: %s)", name, type(e).__name__, e)
+            continue
+        remade.append(os.path.basename(path))
     if not remade:
         log.warning("pymupdf's layout model was not found: its ONNX sessions keep onnxruntime's default threads")
     return remade
