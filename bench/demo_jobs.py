@@ -124,16 +124,15 @@ def main() -> None:
     statuses = Counter(r["status"] for r in every)
     forwards = sum(r["decode_forwards"] or 0 for r in every)
     per_forward = sum(r["output_tokens"] or 0 for r in every) / max(1, forwards)
-    fields, fields_long = Counter(), Counter()
+    fields, fields_long, fields_short = Counter(), Counter(), Counter()
     facts: dict[str, list[int]] = {}
-    facts_long = [0, 0]
+    facts_long = [0, 0]  # (present, total) over the long documents
     checked_ok, lines = 0, []
     long_docs = sum(d.extra["long"] for d in docs.values())
     for name, doc in docs.items():
         got = field_matches(extractions[name]["output_text"] or "", doc)
         fields.update({k: int(v) for k, v in got.items()})
-        if doc.extra["long"]:
-            fields_long.update({k: int(v) for k, v in got.items()})
+        (fields_long if doc.extra["long"] else fields_short).update({k: int(v) for k, v in got.items()})
         text = summaries[name]["output_text"] or ""
         present = facts_present(text, doc)
         for kind, (hit, total) in present.items():
@@ -165,6 +164,12 @@ def main() -> None:
           + ", ".join(f"{k} {100 * h / t:.0f}% of {t}" for k, (h, t) in sorted(facts.items()))
           + (f"; long documents {100 * facts_long[0] / facts_long[1]:.1f}%" if facts_long[1] else "")
           + f"; names, amounts and dates all right in {checked_ok} of {n}")
+    short = n - long_docs
+    if short and long_docs:
+        short_facts = (hit_all - facts_long[0], total_all - facts_long[1])
+        print(f"short documents ({short}): {100 * sum(fields_short.values()) / (short * len(EXTRACT_FIELDS)):.1f}% of "
+              f"fields exact; " + ", ".join(f"{k} {100 * fields_short[k] / short:.0f}%" for k in EXTRACT_FIELDS)
+              + f"; summary facts {100 * short_facts[0] / max(1, short_facts[1]):.1f}%")
     for line in lines[:args.show] if not args.examples else lines:
         print(line)
 

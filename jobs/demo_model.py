@@ -93,7 +93,11 @@ class DemoShape:
     block_size: int = 16
     window_tokens: int = 384
     prefill_chunk_tokens: int = 512
-    tie_embeddings: bool = False  # lm_head shares the input embedding matrix
+    # lm_head shares the input embedding matrix: a token's identity read from the document and written to the answer
+    # is one vector, which is what copying a person's surname needed: in 2,000-step probes tied copied 8/69 people
+    # and 19/54 short documents' parties exactly, untied 0 and 5; the full run took parties from 18% to 58% through
+    # the example jobs (docs/models.md)
+    tie_embeddings: bool = True
 
 
 @dataclass(frozen=True)
