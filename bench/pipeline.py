@@ -6,6 +6,12 @@ pipeline is timed end to end by the runner (listing, actor start and model load,
 postprocess, Parquet commit), after Ray itself has started.
 
     python bench/pipeline.py --model tiny --docs 16 --words 40 --max-new-tokens 32
+    python bench/pipeline.py --model tiny --docs 128 --words 50 --max-new-tokens 4 --cpu-by-process
+
+--cpu-by-process: while each pipeline run goes, every process on the machine is sampled (psutil, every 0.2 s) and
+its CPU seconds over the run are summed by kind: the replica actor, Ray Data's task workers, parse children, Ray's
+own daemons (raylet, GCS, agents), the driver, anything else. On a machine with as many cores as the replica has
+torch threads, whatever is not the replica's is time its engine waits for a core.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -27,6 +35,72 @@ def make_documents(folder: Path, n: int, words: int) -> None:
         (folder / f"doc-{i:03d}.txt").write_text(f"Document {i}.\n{body}\n")
 
 
+def _kind(cmdline: list[str], pid: int) -> str:
+    text = " ".join(cmdline)
+    if pid == os.getpid():
+        return "driver (streaming executor, listing, commit)"
+    if "ray::" in text:
+        title = text.split("ray::", 1)[1].split()[0]
+        if title.startswith("InferStage"):
+            return "replica actor"
+        if title.startswith("IDLE"):
+            return "Ray workers, idle"
+        if title.startswith(("MapBatches", "Map(", "ReadFiles", "Read", "Write")) or "Stage" in title:
+            return f"Ray Data task: {title}"
+        return f"Ray actor: {title}"
+    if "_CHILD_CODE" in text or "parse_process" in text or ("-c" in cmdline and "clover_batch" in text):
+        return "parse children"
+    if any(d in text for d in ("raylet", "gcs_server", "dashboard", "log_monitor", "runtime_env", "ray/_private",
+                               "monitor.py")):
+        return "Ray daemons"
+    return "other"
+
+
+class CpuByProcess:
+    """CPU seconds of every process on the machine between start() and stop(), summed by `_kind`. Each interval's
+    CPU time of a process goes to what the process was doing at the interval's end (a Ray worker runs one task kind
+    after another; one seen idle, or exiting, keeps the kind it last worked as); a process that exits loses at most
+    one interval."""
+
+    def __init__(self, interval: float = 0.2) -> None:
+        import psutil
+
+        self.psutil, self.interval = psutil, interval
+        self.last: dict[int, tuple[str, float]] = {}
+        self.by_kind: dict[str, float] = defaultdict(float)
+        self.done = threading.Event()
+
+    def _sample(self, count: bool = True) -> None:
+        for proc in self.psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+            info = proc.info
+            if info["cpu_times"] is None:
+                continue
+            cpu = info["cpu_times"].user + info["cpu_times"].system
+            kind = _kind(info["cmdline"] or [], info["pid"])
+            prev = self.last.get(info["pid"])
+            if prev is not None and (kind == "Ray workers, idle" or not info["cmdline"]):
+                kind = prev[0]
+            if count:
+                # a process born during the run counts from 0: its whole life is in the run
+                self.by_kind[kind] += cpu - (prev[1] if prev is not None else 0.0)
+            self.last[info["pid"]] = (kind, cpu)
+
+    def start(self) -> None:
+        self._sample(count=False)
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.done.wait(self.interval):
+            self._sample()
+
+    def stop(self) -> dict[str, float]:
+        self.done.set()
+        self.thread.join()
+        self._sample()
+        return dict(sorted(self.by_kind.items(), key=lambda kv: -kv[1]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="preset or checkpoint folder")
@@ -37,6 +111,7 @@ def main() -> None:
     ap.add_argument("--max-slots", type=int, default=16, help="documents the replica's engine decodes at once")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the loop and of the one replica")
     ap.add_argument("--repeats", type=int, default=2, help="pipeline runs (the loop runs once more)")
+    ap.add_argument("--cpu-by-process", action="store_true", help="CPU seconds of every process by kind, per run")
     args = ap.parse_args()
 
     import ray
@@ -88,13 +163,19 @@ def main() -> None:
                               "max_slots": args.max_slots},
             }
         )
+        sampler = CpuByProcess() if args.cpu_by_process else None
+        if sampler:
+            sampler.start()
         report = run(spec).report
+        if sampler:
+            cpu_runs.append((report.wall_seconds, sampler.stop()))
         assert report.by_status == {"ok": args.docs}, report.by_status
         return report
 
     # Alternate loop and pipeline and keep the best of each: other load on a shared machine only ever slows a
     # run down, so the minimum is the estimate least disturbed by it.
     loop_runs, pipe_reports = [], []
+    cpu_runs: list[tuple[float, dict[str, float]]] = []
     for i in range(args.repeats):
         loop_runs.append(plain_loop())
         pipe_reports.append(pipeline(i))
@@ -121,6 +202,12 @@ def main() -> None:
     )
     print(f"pipeline / loop (documents/s): {loop_s / pipe_s:.2f}x")
     print(f"pipeline stage seconds: { {k: round(v, 2) for k, v in report.stage_seconds.items()} }")
+    for i, (wall, by_kind) in enumerate(cpu_runs):
+        total = sum(by_kind.values())
+        print(f"pipeline run {i}: {wall:.2f} s wall, {total:.1f} CPU-seconds on the machine "
+              f"({total / max(wall, 1e-9):.2f} cores busy of {os.cpu_count()}):")
+        for kind, cpu in by_kind.items():
+            print(f"  {kind:46s} {cpu:7.1f} s  {100 * cpu / max(total, 1e-9):5.1f}%")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ Parts:
 - demo: the trained demo checkpoint (jobs/examples/demo) on held-out documents, both example tasks, greedy
   autoregressive decoding in fp32 and in bf16: how many of the first 32 tokens agree position by position, and
   the extraction fields exact under each.
+- job: the demo summarize job end to end (jobs/examples/summarize-local.yaml, local Ray, --docs fresh documents of
+  bench/demo_jobs.py) with model.dtype auto and float32, taking turns for --reps rounds: wall time, output tokens
+  per second of the run and of its infer stage, and what auto chose (the run report's kernels line).
 """
 
 from __future__ import annotations
@@ -192,9 +195,44 @@ def part_demo(args) -> list[str]:
             f"  extraction fields exact: fp32 {fields['fp32']:.1%}, bf16 {fields['bf16']:.1%}"]
 
 
+def part_job(args) -> list[str]:
+    import os
+    import sys
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from clover_batch.jobs.demo_model import SUMMARIZE_JOB
+    from clover_batch.jobs.runner import run
+    from clover_batch.jobs.spec import load_job
+    from demo_jobs import fresh_documents
+
+    runs: dict[str, list] = {"auto": [], "float32": []}
+    with tempfile.TemporaryDirectory(prefix="precision-job-") as tmp:
+        fresh_documents(Path(tmp) / "docs", args.docs)
+        for rep in range(args.reps):
+            for dtype in runs:  # the sides take turns
+                spec = load_job(str(SUMMARIZE_JOB), [f"input.uri={tmp}/docs", f"output.uri={tmp}/{dtype}-{rep}",
+                                                     f"model.dtype={dtype}"])
+                report = run(spec).report
+                infer = report.stage_seconds.get("infer", 0.0)
+                runs[dtype].append((report.wall_seconds, report.output_tokens, infer, report.kernels,
+                                    dict(report.by_status)))
+    lines = [f"the demo summarize job end to end, {args.docs} fresh documents, {args.reps} rounds taking turns:"]
+    best = {}
+    for dtype, rs in runs.items():
+        wall, tokens, infer, kernels_line, statuses = min(rs)
+        best[dtype] = wall
+        lines.append(f"  {dtype:8s} wall {', '.join(f'{r[0]:.1f}' for r in rs)} s (best {wall:.1f}); {tokens} output "
+                     f"tokens, {tokens / wall:.1f} tok/s of the run, {tokens / max(infer, 1e-9):.1f} per infer-stage "
+                     f"second (summed over documents); rows {statuses}; {'; '.join(kernels_line)}")
+    lines.append(f"  auto / float32 wall time: {best['auto'] / best['float32']:.2f}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--parts", nargs="+", default=["speed", "floor", "demo"], choices=["speed", "floor", "demo"])
+    ap.add_argument("--parts", nargs="+", default=["speed", "floor", "demo"],
+                    choices=["speed", "floor", "demo", "job"])
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--docs", type=int, default=32)
@@ -205,7 +243,7 @@ def main() -> None:
     kernels.model_threads(args.threads)
     print(json.dumps({"threads": args.threads, "kernels": kernels.describe()}))
     for part in args.parts:
-        for line in {"speed": part_speed, "floor": part_floor, "demo": part_demo}[part](args):
+        for line in {"speed": part_speed, "floor": part_floor, "demo": part_demo, "job": part_job}[part](args):
             print(line, flush=True)
 
 
