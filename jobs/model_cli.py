@@ -261,6 +261,9 @@ def train_demo_command(
     seed: Annotated[int, typer.Option(help="Seed of the tokenizer corpus, initialisation, data order and noise.")] = 0,
     ar_steps: Annotated[int | None, typer.Option(
         help=f"Phase 1 steps: autoregressive, next-token loss on whole sequences (recipe: {Recipe.ar_steps}).")] = None,
+    long_steps: Annotated[int | None, typer.Option(
+        help=f"Phase 1b steps: autoregressive again, on mostly long documents (facts beyond the attention window); "
+             f"0 leaves the phase out (recipe: {Recipe.long_steps}).")] = None,
     bd_steps: Annotated[int | None, typer.Option(
         help=f"Phase 2 steps: block diffusion from the phase-1 weights, with {Recipe.bd_ar_weight} of the "
              f"autoregressive loss kept (recipe: {Recipe.bd_steps}).")] = None,
@@ -281,11 +284,14 @@ def train_demo_command(
     recipe = Recipe(seed=seed, threads=threads)
     if ar_steps is not None:
         recipe = dataclasses.replace(recipe, ar_steps=ar_steps)
+    if long_steps is not None:
+        recipe = dataclasses.replace(recipe, long_steps=long_steps)
     if bd_steps is not None:
         recipe = dataclasses.replace(recipe, bd_steps=bd_steps)
     with _clean_errors():
-        if resume is not None and (ar_steps is not None or bd_steps is not None):
-            raise CommandError("--resume continues a run with its own recipe: --ar-steps and --bd-steps do not apply")
+        if resume is not None and any(x is not None for x in (ar_steps, long_steps, bd_steps)):
+            raise CommandError("--resume continues a run with its own recipe: --ar-steps, --long-steps and "
+                               "--bd-steps do not apply")
         try:
             if resume is not None:
                 out = resume

@@ -225,15 +225,18 @@ def test_train_demo_resumes_an_interrupted_run_to_the_same_weights(tmp_path, one
     shape = DemoShape(vocab_size=384, hidden_size=32, attention_heads=2, kv_heads=1, head_dim=16, gdn_value_heads=2,
                       gdn_key_heads=1, gdn_head_dim=16, experts=2, expert_width=16, shared_expert_width=16,
                       window_tokens=64)
-    recipe = Recipe(ar_steps=2, bd_steps=2, batch_size=2, save_every=1, threads=1, tokenizer_docs=40,
-                    ar_warmup=1, bd_warmup=1)
+    recipe = Recipe(ar_steps=2, long_steps=2, bd_steps=2, batch_size=2, save_every=1, threads=1, tokenizer_docs=40,
+                    ar_warmup=1, long_warmup=1, bd_warmup=1)
     whole = train_demo(tmp_path / "whole", recipe, shape)
+    assert [p["name"] for p in whole["phases"]] == ["autoregressive", "long documents", "block diffusion"]
+    steps = "--ar-steps 2 --long-steps 2 --bd-steps 2"
+    assert whole["command"] == f"clover-batch model train-demo --out {tmp_path / 'whole'} {steps}"
 
     class Killed(Exception):
         pass
 
     def kill(phase: str, step: int, model, maker) -> None:
-        if phase == "autoregressive" and step == 2:
+        if phase == "long documents" and step == 2:  # after phases 1 and 1b, before phase 2
             raise Killed
 
     with pytest.raises(Killed):
@@ -260,8 +263,8 @@ def test_train_demo_command_options_and_refusals(tmp_path):
     runner = CliRunner()
     shown = runner.invoke(app, ["model", "train-demo", "--help"], terminal_width=200)
     assert shown.exit_code == 0
-    for text in ("--ar-steps", "--bd-steps", "--resume", "--threads", f"recipe: {Recipe.ar_steps}",
-                 f"recipe: {Recipe.bd_steps}"):
+    for text in ("--ar-steps", "--long-steps", "--bd-steps", "--resume", "--threads", f"recipe: {Recipe.ar_steps}",
+                 f"recipe: {Recipe.long_steps}", f"recipe: {Recipe.bd_steps}"):
         assert text in shown.output, text
     both = runner.invoke(app, ["model", "train-demo", "--resume", str(tmp_path), "--ar-steps", "3"])
     assert both.exit_code == 2 and "--ar-steps" in both.output
@@ -271,6 +274,59 @@ def test_train_demo_command_options_and_refusals(tmp_path):
     taken = runner.invoke(app, ["model", "train-demo", "--out", str(tmp_path)])
     assert taken.exit_code == 2 and "--overwrite" in taken.output
     assert (tmp_path / "config.json").read_text() == "{}"
+
+
+def test_long_documents_phase_draws_its_own_mostly_long_documents():
+    """Phase 1b (Recipe.long_steps) sits between the two phases with its own learning rate, draws long documents at
+    `long_mix` and drills at `long_copy_share`, from its own part of the training seeds; at 0 steps (the default) the
+    plan and every phase's data are what they were without it, so the committed checkpoint's command still makes it."""
+    from clover_batch.jobs import demo_corpus
+    from clover_batch.jobs.demo_model import (
+        AR_PHASE,
+        BD_PHASE,
+        LONG_PHASE,
+        PHASE_DATA,
+        Recipe,
+        phase_mix,
+        phases,
+        train_command,
+        training_pairs,
+    )
+
+    assert [p.name for p in phases(Recipe())] == [AR_PHASE, BD_PHASE]
+    plan = phases(Recipe(long_steps=600))
+    assert [p.name for p in plan] == [AR_PHASE, LONG_PHASE, BD_PHASE]
+    assert plan[1].options.steps == 600 and plan[1].options.lr == Recipe.long_lr and plan[1].options.bd_weight == 0
+    mix = phase_mix(Recipe(), LONG_PHASE)
+    assert (mix.long_share, mix.copy_share) == (Recipe.long_mix, Recipe.long_copy_share)
+    assert phase_mix(Recipe(), AR_PHASE) == Recipe() == phase_mix(Recipe(), BD_PHASE)
+    assert train_command(Path("d"), Recipe(threads=1)) == "clover-batch model train-demo --out d"
+    assert train_command(Path("d"), Recipe(long_steps=600)) == "clover-batch model train-demo --out d --long-steps 600"
+
+    drawn: list[tuple[int, bool]] = []
+
+    class Maker:  # records what the stream draws instead of tokenizing it
+        def example(self, doc, task):
+            drawn.append((doc.seed, doc.extra["long"]))
+
+        def drill(self, drill):
+            drawn.append((-1, False))
+
+    def draw(recipe, phase, n=400):
+        drawn.clear()
+        stream = training_pairs(Maker(), recipe, phase=phase)
+        for _ in range(n):
+            next(stream)
+        return list(drawn)
+
+    long_phase = draw(mix, PHASE_DATA[LONG_PHASE])
+    docs = [d for d in long_phase if d[0] != -1]
+    assert 0.6 < sum(is_long for _, is_long in docs) / len(docs) < 0.8  # long_mix 0.7
+    assert 0.05 < (len(long_phase) - len(docs)) / len(long_phase) < 0.15  # drills at 0.1
+    seeds = {phase: {s for s, _ in draw(Recipe(), PHASE_DATA[phase]) if s != -1} for phase in (AR_PHASE, BD_PHASE)}
+    seeds[LONG_PHASE] = {s for s, _ in docs}
+    assert not (seeds[LONG_PHASE] & seeds[AR_PHASE]) and not (seeds[LONG_PHASE] & seeds[BD_PHASE])
+    assert all(s in demo_corpus.TRAIN_SEEDS for s in seeds[LONG_PHASE])
 
 
 def test_tokenizer_gives_a_name_the_same_ids_in_the_document_and_in_the_answer():
