@@ -328,10 +328,9 @@ def phases(recipe: Recipe):
         out.append(Phase(LONG_PHASE, TrainOptions(steps=recipe.long_steps, lr=recipe.long_lr,
                                                   warmup=recipe.long_warmup, ar_weight=1.0, bd_weight=0.0, **common)))
     if recipe.bd_steps:
-        out.append(Phase(BD_PHASE, TrainOptions(steps=recipe.bd_steps, lr=recipe.bd_lr,
-                                                         warmup=recipe.bd_warmup, eps=recipe.eps,
-                                                         noise_copies=recipe.noise_copies,
-                                                         ar_weight=recipe.bd_ar_weight, bd_weight=1.0, **common)))
+        out.append(Phase(BD_PHASE, TrainOptions(steps=recipe.bd_steps, lr=recipe.bd_lr, warmup=recipe.bd_warmup,
+                                                eps=recipe.eps, noise_copies=recipe.noise_copies,
+                                                ar_weight=recipe.bd_ar_weight, bd_weight=1.0, **common)))
     if not out:
         raise ValueError("the recipe has no training steps (ar_steps, long_steps and bd_steps are all 0)")
     return out
