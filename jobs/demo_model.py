@@ -413,6 +413,8 @@ def train_demo(out: Path, recipe: Recipe = Recipe(), shape: DemoShape = DemoShap
         name = plan[k].name
         stream = training_pairs(maker, phase_mix(recipe, name), short=short if name == AR_PHASE else 0,
                                 phase=PHASE_DATA[name])
+        # the batch order's seed follows the phase's place in the plan (as runs before phase 1b had it), its
+        # documents the phase's name
         return batches_by_prefix(stream, recipe.batch_size, shape.block_size, seed=recipe.seed + k)
 
     def logged(phase: str, step: int, report, seconds: float) -> None:
