@@ -68,10 +68,10 @@ def validate(job: JobArg, set_: SetOpt = None) -> None:
     try:
         check_model(spec)
     except (ValueError, OSError) as e:  # Config, Checkpoint, ChatTemplate errors; unreadable files: one line
-        err_console.print(f"[red]{job}: model.source {spec.model.source}: {type(e).__name__}: {e}[/red]",
+        err_console.print(f"[red]{escape(f'{job}: model.source {spec.model.source}: {type(e).__name__}: {e}')}[/red]",
                           highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
-    console.print(f"[green]{job}: valid[/green]")
+    console.print(f"[green]{escape(job)}: valid[/green]", highlight=False, soft_wrap=True)
 
 
 SECRET_WORDS = ("secret", "key", "token", "password", "credential", "session")
@@ -201,7 +201,7 @@ def run(
                                  fail_on_status=fail_on_status or ())
             if not json_:
                 _print_report(result.report)
-                console.print(f"run report: {result.report_uri}")
+                console.print(f"run report: {result.report_uri}", markup=False, highlight=False, soft_wrap=True)
     except (KeyboardInterrupt, Terminated) as e:
         code = ExitCode.INTERRUPTED if isinstance(e, KeyboardInterrupt) else ExitCode.TERMINATED
         err_console.print(f"[red]run interrupted ({'SIGINT' if code == ExitCode.INTERRUPTED else 'SIGTERM'}): "
@@ -314,10 +314,12 @@ def show(
         typer.echo(json.dumps(dataclasses.asdict(summary)))
         raise typer.Exit(0 if summary.rows else 1)
     if not summary.rows:
-        err_console.print(f"no committed rows under {output}")
+        err_console.print(f"no committed rows under {output}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     files = "data files" if summary.format == "iceberg" else "parts"
-    console.print(f"{summary.uri}: {summary.rows} rows in {summary.parts} {files}")
+    # a path or URI of any length, on one line (wrapping splits it where a terminal is narrow), never read as markup
+    console.print(f"{summary.uri}: {summary.rows} rows in {summary.parts} {files}", markup=False, highlight=False,
+                  soft_wrap=True)
     counts = Table()
     counts.add_column("status")
     counts.add_column("rows", justify="right")

@@ -22,11 +22,12 @@ def test_show_counts_by_status_and_samples(tmp_path):
         {"doc_id": "2", "source_uri": "b.pdf", "status": "ok", "output_text": "Another.", "output_tokens": 2},
         {"doc_id": "3", "source_uri": "c.pdf", "status": "encrypted", "error": "the PDF is encrypted"},
     ]
-    with OutputLock(Location(str(tmp_path)), "r1"):
-        write_part(Location(str(tmp_path)), pa.Table.from_pylist(rows, OUTPUT_SCHEMA), "r1")
-    result = CliRunner().invoke(app, ["show", str(tmp_path), "--samples", "1"])
+    out = tmp_path / ("a-folder-name-long-enough-that-the-first-line-is-wider-than-a-terminal" + "[x]")
+    with OutputLock(Location(str(out)), "r1"):
+        write_part(Location(str(out)), pa.Table.from_pylist(rows, OUTPUT_SCHEMA), "r1")
+    result = CliRunner().invoke(app, ["show", str(out), "--samples", "1"])
     assert result.exit_code == 0, result.output
-    assert "3 rows in 1 parts" in result.output
+    assert f"{out}: 3 rows in 1 parts" in result.output  # on one line, however long the path, brackets and all
     assert "A short summary." in result.output and "Another." not in result.output  # one sample per status
     assert "the PDF is encrypted" in result.output
 
