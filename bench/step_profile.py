@@ -1,6 +1,6 @@
-"""Where a 16-row autoregressive decode step's time goes (bench-ar preset, fp32): the model's work (time inside
-ATen ops) against everything else (Python per layer and per row, bookkeeping), with op calls, allocations and
-host syncs per step, from torch.profiler.
+"""Where a 16-row autoregressive decode step's time goes (bench-ar preset, fp32 or `--dtype bfloat16`): the
+model's work (time inside ATen ops) against everything else (Python per layer and per row, bookkeeping), with op
+calls, allocations and host syncs per step, from torch.profiler.
 
     python bench/step_profile.py --threads 2
     python bench/step_profile.py --threads 2 --before /path/to/pkg   # also an older checkout, side by side
@@ -31,11 +31,11 @@ from torch.profiler import ProfilerActivity, profile
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero")
 
 
-def measure(threads: int, rows: int, prompt: int, steps: int) -> dict:
+def measure(threads: int, rows: int, prompt: int, steps: int, dtype: str = "float32") -> dict:
     from clover_batch.model import DecodeOptions, Engine, Request, load_model
 
     torch.set_num_threads(threads)
-    model = load_model("bench-ar", seed=0)
+    model = load_model("bench-ar", seed=0, dtype=getattr(torch, dtype))
     options = DecodeOptions(max_new_tokens=10_000, stop_token_ids=())
     engine = Engine(model, options, max_slots=rows)
     gen = torch.Generator().manual_seed(0)
@@ -72,7 +72,7 @@ def measure(threads: int, rows: int, prompt: int, steps: int) -> dict:
         "all_ops": len(ops) / steps,
         "allocations": allocs / steps,
         "syncs": sum(1 for e in ops if e.name in SYNC_OPS) / steps,
-        "heaviest": sorted(self_by_op.items(), key=lambda kv: -kv[1])[:6],
+        "heaviest": sorted(self_by_op.items(), key=lambda kv: -kv[1])[:10],
     }
 
 
@@ -92,12 +92,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the weights' dtype (bfloat16: the engine's mixed precision, state in fp32)")
     ap.add_argument("--before", default=None, help="a folder holding another checkout as `clover_batch`")
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the two sides (the best wall counts)")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # the child's output
     args = ap.parse_args()
     if args.json:
-        print(json.dumps(measure(args.threads, args.rows, args.prompt, args.steps)))
+        print(json.dumps(measure(args.threads, args.rows, args.prompt, args.steps, args.dtype)))
         return
     sides: dict[str, list[dict]] = {"now": []}
     if args.before:
@@ -108,10 +110,10 @@ def main() -> None:
             if name == "before":
                 env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.before, env.get("PYTHONPATH")]))
             cmd = [sys.executable, __file__, "--json", "--threads", str(args.threads), "--rows", str(args.rows),
-                   "--prompt", str(args.prompt), "--steps", str(args.steps)]
+                   "--prompt", str(args.prompt), "--steps", str(args.steps), "--dtype", args.dtype]
             out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
             sides[name].append(json.loads(out.strip().splitlines()[-1]))
-    print(f"16-row autoregressive decode step, bench-ar preset, fp32, {args.threads} threads, prompts of "
+    print(f"16-row autoregressive decode step, bench-ar preset, {args.dtype}, {args.threads} threads, prompts of "
           f"{args.prompt} tokens; median of {args.steps} steps, best of {args.rounds} processes per side")
     best = {name: min(runs, key=lambda m: m["wall_ms"]) for name, runs in sides.items()}
     for name in ("before", "now"):

@@ -41,14 +41,21 @@ def first_document(kind: str, long: bool, markdown: bool, used: set[int]):
 
 
 def write_pdf(path: Path, text: str, pages: int) -> None:
+    """The text's paragraphs over `pages` pages, or more where they do not fit: pymupdf's insert_textbox writes
+    nothing at all into a box its text overflows (it returns a negative number), which left a blank PDF."""
     paragraphs = text.strip().split("\n\n")
-    cut = -(-len(paragraphs) // pages)
-    doc = pymupdf.open()
-    for i in range(pages):
-        page = doc.new_page()
-        page.insert_textbox(pymupdf.Rect(72, 72, 540, 770), "\n\n".join(paragraphs[i * cut:(i + 1) * cut]),
-                            fontsize=11)
-    doc.save(path, garbage=4, deflate=True)
+    for n in range(pages, len(paragraphs) + 1):
+        cut = -(-len(paragraphs) // n)
+        doc = pymupdf.open()
+        fits = True
+        for i in range(-(-len(paragraphs) // cut)):
+            page = doc.new_page()
+            fits &= page.insert_textbox(pymupdf.Rect(72, 72, 540, 770),
+                                        "\n\n".join(paragraphs[i * cut:(i + 1) * cut]), fontsize=11) >= 0
+        if fits:
+            doc.save(path, garbage=4, deflate=True)
+            return
+    raise ValueError(f"{path.name}: a paragraph does not fit on a page")
 
 
 def main() -> None:
