@@ -44,11 +44,11 @@ def write_pdf(path: Path, text: str, pages: int) -> None:
     """The text's paragraphs over `pages` pages, or more where they do not fit: pymupdf's insert_textbox writes
     nothing at all into a box its text overflows (it returns a negative number), which left a blank PDF."""
     paragraphs = text.strip().split("\n\n")
-    for n in range(pages, len(paragraphs) + 1):
+    for n in range(pages, max(pages, len(paragraphs)) + 1):
         cut = -(-len(paragraphs) // n)
         doc = pymupdf.open()
         fits = True
-        for i in range(-(-len(paragraphs) // cut)):
+        for i in range(n):
             page = doc.new_page()
             fits &= page.insert_textbox(pymupdf.Rect(72, 72, 540, 770),
                                         "\n\n".join(paragraphs[i * cut:(i + 1) * cut]), fontsize=11) >= 0
