@@ -15,7 +15,6 @@ The preview is not trained here, so `verified` decoding of the result drafts les
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import shutil
 from pathlib import Path
@@ -52,8 +51,7 @@ def main() -> None:
     for p in model.parameters():
         p.requires_grad_(True)
     recipe = Recipe(long_steps=args.steps, long_lr=args.lr)
-    plan = [p for p in phases(recipe) if p.name == LONG_PHASE]
-    options = dataclasses.replace(plan[0].options, steps=args.steps)
+    options = next(p.options for p in phases(recipe) if p.name == LONG_PHASE)  # args.steps at args.lr
     maker = PairMaker(str(args.model), job_instructions())
     block = model.config.diffusion.block_size if model.config.diffusion is not None else 16
 

@@ -22,7 +22,7 @@ def test_show_counts_by_status_and_samples(tmp_path):
         {"doc_id": "2", "source_uri": "b.pdf", "status": "ok", "output_text": "Another.", "output_tokens": 2},
         {"doc_id": "3", "source_uri": "c.pdf", "status": "encrypted", "error": "the PDF is encrypted"},
     ]
-    out = tmp_path / ("a-folder-name-long-enough-that-the-first-line-is-wider-than-a-terminal" + "[x]")
+    out = tmp_path / "a-folder-name-long-enough-that-the-first-line-is-wider-than-a-terminal[x]"
     with OutputLock(Location(str(out)), "r1"):
         write_part(Location(str(out)), pa.Table.from_pylist(rows, OUTPUT_SCHEMA), "r1")
     result = CliRunner().invoke(app, ["show", str(out), "--samples", "1"])
