@@ -17,6 +17,10 @@ Parts:
 - demo: the trained demo checkpoint (jobs/examples/demo) on held-out documents, both example tasks, greedy
   autoregressive decoding in fp32 and in bf16: how many of the first 32 tokens agree position by position, and
   the extraction fields exact under each.
+- gdn: the chunked GDN kernel's GEMMs with bf16 operands (as fla's kernels on a GPU; ops.py) against the same
+  kernel with fp32 operands (before issue 34's change), inside the bf16 engine's prefill of 16 prompts of 512
+  tokens, the two taking turns for 2 x --reps rounds in one process: prefill seconds, best of each. (The fp32
+  side is selected by replacing `ops._gemm_dtype` for the run.)
 - job: the demo summarize job end to end (jobs/examples/summarize-local.yaml, local Ray, --docs fresh documents of
   bench/demo_jobs.py) with model.dtype auto and float32, taking turns for --reps rounds: wall time, output tokens
   per second of the run and of its infer stage, and what auto chose (the run report's kernels line).
@@ -229,10 +233,32 @@ def part_job(args) -> list[str]:
     return lines
 
 
+def part_gdn(args) -> list[str]:
+    from clover_batch.model import ops
+
+    _, b16 = bf16_twin(f"{args.preset}-ar")
+    prompts = torch.randint(3, 256, (16, 512), generator=torch.Generator().manual_seed(1)).tolist()
+    sides = {"bf16 GEMMs": ops._gemm_dtype, "fp32 GEMMs": lambda v: torch.float32}
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    try:
+        _engine_run(b16, prompts, 1)  # warm-up
+        for _ in range(2 * args.reps):
+            for name, choose in sides.items():
+                ops._gemm_dtype = choose
+                seconds[name].append(_engine_run(b16, prompts, 1).stats.prefill_seconds)
+    finally:
+        ops._gemm_dtype = sides["bf16 GEMMs"]
+    best = {name: min(v) for name, v in seconds.items()}
+    return [f"chunked GDN kernel in the bf16 engine's prefill (16 x 512 tokens, {args.preset}-ar preset), best of "
+            f"{2 * args.reps}:"] + [f"  {name}: {best[name]:.2f} s ({', '.join(f'{x:.2f}' for x in v)})"
+                                    for name, v in seconds.items()] + [
+        f"  fp32 / bf16 GEMMs: {best['fp32 GEMMs'] / best['bf16 GEMMs']:.2f}x"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", nargs="+", default=["speed", "floor", "demo"],
-                    choices=["speed", "floor", "demo", "job"])
+                    choices=["speed", "floor", "demo", "gdn", "job"])
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--docs", type=int, default=32)
@@ -242,8 +268,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     kernels.model_threads(args.threads)
     print(json.dumps({"threads": args.threads, "kernels": kernels.describe()}))
+    parts = {"speed": part_speed, "floor": part_floor, "demo": part_demo, "gdn": part_gdn, "job": part_job}
     for part in args.parts:
-        for line in {"speed": part_speed, "floor": part_floor, "demo": part_demo, "job": part_job}[part](args):
+        for line in parts[part](args):
             print(line, flush=True)
 
 

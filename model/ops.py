@@ -3,8 +3,10 @@
 Shapes: B batch, T tokens, H heads, K key dim, V value dim, C channels, E experts, N routed token-expert pairs.
 
 Notable choices:
-- The GDN recurrence always runs in fp32 (state, decay and outputs): exp(g) accumulated over a 128K window
-  underflows to garbage in bf16.
+- The GDN recurrence keeps its state, decay cumsums and outputs in fp32: exp(g) accumulated over a 128K window
+  underflows to garbage in bf16. With bf16 inputs, the chunked form's GEMMs take bf16 operands (the state rounded
+  for the product, the triangular system solved in fp32 and its inverse rounded), adding into fp32, as fla's
+  Triton kernels do on a GPU; fp32 inputs run it all in fp32 (the reference).
 - `gdn_chunked` is the chunked (UT-transform) form of the gated delta rule; `gdn_recurrent` is the token-by-token
   recurrence it must equal (also the decode path for T == 1, where it is cheaper).
 - Matmuls with bf16 operands on a CPU without native bf16 units run 50-600x slower than fp32 (measured on the
@@ -230,11 +232,19 @@ def gdn_step(
     return o.reshape(B, H, 1, Vd).transpose(1, 2), S.reshape(B, H, Kd, Vd)
 
 
+def _gemm_dtype(v: torch.Tensor) -> torch.dtype:
+    """The dtype of the chunked GDN's GEMM operands for values v: bf16 for bf16 values (fla's kernels take q, k, v
+    in v's dtype) where bf16 matmuls are fast, fp32 otherwise (the reference; also bf16 on a CPU without bf16 units)."""
+    return torch.bfloat16 if v.dtype == torch.bfloat16 and not _upcast(v) else torch.float32
+
+
 def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  scale: float) -> tuple[torch.Tensor, ...]:
     """Everything of the chunked gated delta rule that depends on one chunk alone, for a batch of chunks
-    q, k [X, H, L, K], v [X, H, L, V], g, beta [X, H, L] (fp32, zero-padded past a sequence's end: g = 0 and
-    beta = 0 leave the state as it is). Returns (U, QK, WQ, k_dec_t, a_chunk) as gdn_chunked's docstring names them."""
+    q, k [X, H, L, K], v [X, H, L, V] (fp32, or bf16: see gdn_chunked), g, beta [X, H, L] (fp32, zero-padded past a
+    sequence's end: g = 0 and beta = 0 leave the state as it is). Returns (U, QK, WQ, k_dec_t, a_chunk) as
+    gdn_chunked's docstring names them, in q's dtype (a_chunk fp32)."""
+    low = q.dtype  # the GEMM operands' dtype; fp32: every line below is the plain fp32 computation
     L, Vd = q.shape[-2], v.shape[-1]
     q = q * scale
     beta = beta[..., None]
@@ -242,18 +252,22 @@ def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     lower = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
     diff = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill_(~lower, -math.inf)  # upper part -> exp() = 0
     M = diff.exp_()  # [X, H, L, L]
-    kb = k * beta
-    A = (kb @ k.transpose(-1, -2)).mul_(M).tril_(-1)
+    kb = k * beta  # fp32
+    A = (kb.to(low) @ k.transpose(-1, -2)).float().mul_(M).tril_(-1)
     A.diagonal(dim1=-2, dim2=-1).fill_(1.0)
     exp_c = c.exp().unsqueeze(-1)  # [X, H, L, 1]
-    # one triangular solve for both right-hand sides: [U | Wk] = A^-1 [beta V | beta K exp(c)]
-    UW = torch.linalg.solve_triangular(A, torch.cat([v * beta, kb * exp_c], dim=-1), upper=False,
-                                       unitriangular=True)
-    QK = (q @ k.transpose(-1, -2)).mul_(M)  # lower incl. diagonal
+    # [U | Wk] = A^-1 [beta V | beta K exp(c)]
+    rhs = torch.cat([v * beta, kb * exp_c], dim=-1)
+    if low == torch.float32:  # one triangular solve for both right-hand sides
+        UW = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    else:  # fla's way: A^-1 solved in fp32 and rounded, then one bf16 GEMM (1.5x the fp32 solve at prefill sizes)
+        eye = torch.eye(L, dtype=torch.float32, device=q.device).expand_as(A)
+        UW = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True).to(low) @ rhs.to(low)
+    QK = (q @ k.transpose(-1, -2)).float().mul_(M).to(low)  # lower incl. diagonal
     # Wk and Q exp(c) both multiply the chunk's incoming state: stacked, one matmul per chunk serves both
-    WQ = torch.cat([UW[..., Vd:], q * exp_c], dim=-2)  # [X, H, 2L, K]
+    WQ = torch.cat([UW[..., Vd:], (q * exp_c).to(low)], dim=-2)  # [X, H, 2L, K]
     c_last = c[..., -1:]  # [X, H, 1]
-    k_dec_t = (k * (c_last - c).exp().unsqueeze(-1)).transpose(-1, -2)  # [X, H, K, L]
+    k_dec_t = (k * (c_last - c).exp().unsqueeze(-1)).to(low).transpose(-1, -2)  # [X, H, K, L]
     a_chunk = c_last.exp().unsqueeze(-1)  # [X, H, 1, 1]
     return UW[..., :Vd], QK, WQ, k_dec_t, a_chunk
 
@@ -267,11 +281,14 @@ def gdn_chunked(
     Inside a chunk (c = cumulative log decay, M_ij = exp(c_i - c_j) for i >= j):
       W = (I + tril(diag(beta) K K^T * M, -1))^-1,  U = W (beta V),  Wk = W (beta K exp(c))
       V' = U - Wk S,  O = (Q exp(c)) S + (tril(Q K^T * M)) V',  S <- exp(c_C) S + (K exp(c_C - c))^T V'
+    Outputs and state are fp32. bf16 values (on a device with fast bf16 matmuls) make every product above a bf16
+    GEMM adding into fp32, as fla's kernels do; c, M, the solve for W and the state stay fp32 (module docstring).
     """
     B, T, H, Kd = k_BTHK.shape
     Vd = v_BTHV.shape[-1]
     pad = (-T) % chunk
-    q, k, v = (F.pad(t.float(), (0, 0, 0, 0, 0, pad)).transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV))
+    low = _gemm_dtype(v_BTHV)  # the activations' dtype, as kernels.py gives fla's kernels (q, k come fp32)
+    q, k, v = (F.pad(t.to(low), (0, 0, 0, 0, 0, pad)).transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV))
     g, beta = (F.pad(t.float(), (0, 0, 0, pad)).transpose(1, 2) for t in (g_BTH, beta_BTH))  # [B, H, Tp]
     n = (T + pad) // chunk
 
@@ -300,18 +317,27 @@ def gdn_chunked(
 
 def _chunk_step(U: torch.Tensor, QK: torch.Tensor, WQ: torch.Tensor, k_dec_t: torch.Tensor, a_chunk: torch.Tensor,
                 S: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk of a batch of sequences from their states S [B, H, K, V]: (output [B, H, L, V], next state)."""
+    """One chunk of a batch of sequences from their fp32 states S [B, H, K, V]: (fp32 output [B, H, L, V], next
+    fp32 state). With bf16 terms, every GEMM takes bf16 operands (the state rounded for the product, as fla's
+    kernel does) and its result is added to fp32: the state itself and its decay stay fp32."""
     B, H, L, Vd = U.shape
     Kd = S.shape[-2]
-    WQ_S = WQ @ S  # [B, H, 2L, V]
-    v_new = U - WQ_S[..., :L, :]
-    o_args = (WQ_S[..., L:, :].reshape(-1, L, Vd), QK.reshape(-1, L, L), v_new.reshape(-1, L, Vd))
-    if out is None:
-        o = torch.baddbmm(*o_args).view(B, H, L, Vd)
-    else:
-        o = torch.baddbmm(*o_args, out=out.view(-1, L, Vd)).view(B, H, L, Vd)
-    S = torch.baddbmm((S * a_chunk).reshape(-1, Kd, Vd), k_dec_t.reshape(-1, Kd, L),
-                      v_new.reshape(-1, L, Vd)).view(B, H, Kd, Vd)
+    if WQ.dtype == torch.float32:
+        WQ_S = WQ @ S  # [B, H, 2L, V]
+        v_new = U - WQ_S[..., :L, :]
+        o_args = (WQ_S[..., L:, :].reshape(-1, L, Vd), QK.reshape(-1, L, L), v_new.reshape(-1, L, Vd))
+        if out is None:
+            o = torch.baddbmm(*o_args).view(B, H, L, Vd)
+        else:
+            o = torch.baddbmm(*o_args, out=out.view(-1, L, Vd)).view(B, H, L, Vd)
+        S = torch.baddbmm((S * a_chunk).reshape(-1, Kd, Vd), k_dec_t.reshape(-1, Kd, L),
+                          v_new.reshape(-1, L, Vd)).view(B, H, Kd, Vd)
+        return o, S
+    low = WQ.dtype
+    WQ_S = WQ @ S.to(low)  # [B, H, 2L, V]
+    v_new = (U.float() - WQ_S[..., :L, :].float()).to(low)
+    o = torch.add((QK @ v_new).float(), WQ_S[..., L:, :], out=out)
+    S = (S * a_chunk).add_((k_dec_t @ v_new).float())
     return o, S
 
 
@@ -336,12 +362,13 @@ def gdn_chunked_varlen(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Te
     limit = torch.cat([torch.full((c,), s0 + n, device=dev) for s0, c, n in zip(starts, counts, lengths, strict=True)])
     tok = torch.where(tok < limit[:, None], tok, T)
 
-    def chunks(t: torch.Tensor) -> torch.Tensor:  # [T, H, *] -> [X, H, L, *] with a zero token past the end
-        t = torch.cat([t.float(), t.new_zeros(1, *t.shape[1:], dtype=torch.float32)])
+    def chunks(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [T, H, *] -> [X, H, L, *], zero past the end
+        t = torch.cat([t.to(dtype), t.new_zeros(1, *t.shape[1:], dtype=dtype)])
         return t[tok].transpose(1, 2)
 
-    U, QK, WQ, k_dec_t, a_chunk = _chunk_terms(chunks(q_THK), chunks(k_THK), chunks(v_THV), chunks(g_TH),
-                                               chunks(beta_TH), Kd ** -0.5)
+    low = _gemm_dtype(v_THV)
+    U, QK, WQ, k_dec_t, a_chunk = _chunk_terms(chunks(q_THK, low), chunks(k_THK, low), chunks(v_THV, low),
+                                               chunks(g_TH, torch.float32), chunks(beta_TH, torch.float32), Kd ** -0.5)
     first = torch.tensor([sum(counts[:i]) for i in range(len(counts))], device=dev)  # each sequence's first chunk
     S = state_NHKV.float().clone()
     out = torch.empty(U.shape[0], H, chunk, Vd, dtype=torch.float32, device=dev)
