@@ -154,12 +154,14 @@ def test_gdn_bf16_inputs_keep_fp32_state_and_stay_within_their_bound_of_fp32(cas
     o_p, S_p = ops.gdn_chunked_varlen(*packed, state, [T, T])
     assert o_p.dtype == S_p.dtype == torch.float32
     assert _rel(o_p, o_ref.flatten(0, 1)) < GDN_BF16_BOUND and _rel(S_p, S_ref) < GDN_BF16_BOUND
-    # bf16 GEMMs only where the CPU has bf16 units (elsewhere they run 50-600x slower than fp32: fp32 there)
-    assert ops._gemm_dtype(v16) == (torch.bfloat16 if cpu_bf16_units() else torch.float32)
     # and fp32 inputs still take the fp32 path: the reference's values to fp32 rounding
     o32, S32 = ops.gdn_chunked(q16.float(), k16.float(), v16.float(), g, b16.float(), state)
     assert_close(o32, o_ref, 1e-4, "fp32 output")
     assert_close(S32, S_ref, 1e-4, "fp32 final state")
+    # bf16 GEMMs only where the CPU has bf16 units (elsewhere they run 50-600x slower than fp32: fp32 there), and
+    # there the bf16 values did take them: their result is not the fp32 path's
+    assert ops._gemm_dtype(v16) == (torch.bfloat16 if cpu_bf16_units() else torch.float32)
+    assert torch.equal(o, o32) == (cpu_bf16_units() is None)
 
 
 def test_gdn_long_sequence_decay_stays_finite():
