@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from clover_batch.jobs.demo_corpus import Document, held_out
+from clover_batch.jobs.demo_corpus import Document, held_out, held_out_long
 from clover_batch.jobs.demo_model import (
     DEMO_DIR,
     EXTRACT_FIELDS,
@@ -153,6 +153,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="compute dtype (the example jobs' model.dtype auto is bfloat16 on a CPU with bf16 units)")
+    parser.add_argument("--long-only", action="store_true",
+                        help="the first --docs held-out documents that are long (facts, then more than a window of "
+                             "log), in held-out order: the documents only the carried GDN state can answer")
     parser.add_argument("--merge-commits", action="store_true",
                         help="commit a finished block in the forward of the next block's first step, as the engine "
                              "does on CUDA (on a CPU that forward costs about twice as much)")
@@ -163,7 +166,7 @@ def main() -> None:
 
     model = load_model(args.model, dtype=getattr(torch, args.dtype))
     maker = PairMaker(args.model, job_instructions())
-    docs = held_out(args.docs)
+    docs = held_out_long(args.docs) if args.long_only else held_out(args.docs)
     window = model.config.window_tokens
     n_long = sum(beyond_window(maker, d, "extract", window) for d in docs)
     log.info("%d held-out documents (%d with every fact more than the %d-token window before the answer), "

@@ -457,6 +457,40 @@ def held_out(n: int, *, start: int = 0) -> list[Document]:
     return [make_document(HELD_OUT_SEEDS[start + i]) for i in range(n)]
 
 
+def held_out_long(n: int) -> list[Document]:
+    """The first n long held-out documents (facts, then more than a window of log), in held-out order: the long
+    ones among `held_out(m)` for the smallest m that has n of them."""
+    out = []
+    for seed in HELD_OUT_SEEDS:
+        if len(out) == n:
+            return out
+        doc = make_document(seed)
+        if doc.extra["long"]:
+            out.append(doc)
+    raise ValueError(f"the held-out range has fewer than {n} long documents")
+
+
+def long_copy_drill(seed: int) -> tuple[str, str]:
+    """(a list of 1-3 random names, companies, amounts and dates; the list followed by an operations log of 28-40
+    lines): the drill "repeat the list" with the list more than a window of tokens before the question, so only
+    the carried GDN state can answer it (the long documents' problem without the document's phrasing)."""
+    rng = random.Random(seed)
+    items = [_drill_item(rng) for _ in range(rng.randint(1, 3))]
+    listed = ", ".join(items)
+    return listed, listed + "\n\nOperations log\n" + "\n".join(_log(rng, rng.randint(28, 40)))
+
+
+def _drill_item(rng: random.Random) -> str:
+    r = rng.random()
+    if r < 0.3:
+        return _person(rng)
+    if r < 0.6:
+        return _company(rng)
+    if r < 0.8:
+        return fmt_eur(_amount(rng, 10, 200_000))
+    return _doc_date(rng, _date(rng))
+
+
 def copy_drill(seed: int) -> str:
     """A list of 6-14 random names, companies, amounts and dates, for the training drill "repeat the list".
 
@@ -465,15 +499,4 @@ def copy_drill(seed: int) -> str:
     without the document's phrasing to learn first.
     """
     rng = random.Random(seed)
-    items = []
-    for _ in range(rng.randint(6, 14)):
-        r = rng.random()
-        if r < 0.3:
-            items.append(_person(rng))
-        elif r < 0.6:
-            items.append(_company(rng))
-        elif r < 0.8:
-            items.append(fmt_eur(_amount(rng, 10, 200_000)))
-        else:
-            items.append(_doc_date(rng, _date(rng)))
-    return ", ".join(items)
+    return ", ".join(_drill_item(rng) for _ in range(rng.randint(6, 14)))

@@ -47,7 +47,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clover_batch.jobs.demo_corpus import EXTRACT_FIELDS, TRAIN_SEEDS, Document, copy_drill, make_document
+from clover_batch.jobs.demo_corpus import (
+    EXTRACT_FIELDS,
+    TRAIN_SEEDS,
+    Document,
+    copy_drill,
+    long_copy_drill,
+    make_document,
+)
 
 if TYPE_CHECKING:
     from clover_batch.model import CloverModel
@@ -142,6 +149,14 @@ class Recipe:
     extract_share: float = 0.5  # share of training pairs that are extractions (the rest summaries)
     long_share: float = 0.2  # share of long documents (facts, then more than a window of log and notes)
     copy_share: float = 0.3  # share of training pairs that are the copy drill (demo_corpus.copy_drill)
+    # share of training pairs, in every phase, that are the long drill (demo_corpus.long_copy_drill: a short list
+    # more than a window before "Repeat the list."); 0 draws none and leaves the stream as before
+    long_drill_share: float = 0.0
+    # the last `slow_heads` value heads of every GDN layer decay by exp(-slow_dt) a token whatever the input, held
+    # so in every phase (model.train.TrainOptions.slow_heads); trained freely every head but one learned to forget
+    # within tens of tokens (docs/models.md); 0 leaves every head free
+    slow_heads: int = 0
+    slow_dt: float = 5e-4
     tokenizer_docs: int = 4000  # documents the BPE is trained on
     # where the tokenizer puts a space before a capitalised word (train_tokenizer): "attach" to the word before it,
     # "isolate" as a token of its own, "prefix" to the capitalised word (GPT-2's byte-level BPE)
@@ -279,6 +294,15 @@ class PairMaker:
         answer = [*self.builder.encode(items, specials=False), IM_END_ID]
         return Example(self.builder.build(COPY_INSTRUCTION, items), answer)
 
+    def long_drill(self, seed: int):
+        """The long drill (demo_corpus.long_copy_drill): the list and its log after COPY_INSTRUCTION, answered by
+        the list."""
+        from clover_batch.model.train import Example
+
+        listed, text = long_copy_drill(seed)
+        return Example(self.builder.build(COPY_INSTRUCTION, text),
+                       [*self.builder.encode(listed, specials=False), IM_END_ID])
+
     def example(self, doc: Document, task: str):
         from clover_batch.model.train import Example
 
@@ -297,7 +321,10 @@ def training_pairs(maker: PairMaker, recipe: Recipe, *, short: int = 0, phase: i
         doc = make_document(TRAIN_SEEDS[(recipe.seed * 1_000_003 + i) % len(TRAIN_SEEDS)],
                             long=False if first else rng.random() < recipe.long_share, filler=not first)
         i += 1
-        if rng.random() < recipe.copy_share:
+        # drawn only when the recipe has long drills, so a recipe without them keeps its stream
+        if recipe.long_drill_share and rng.random() < recipe.long_drill_share:
+            yield maker.long_drill(doc.seed)
+        elif rng.random() < recipe.copy_share:
             yield maker.drill(copy_drill(doc.seed))
         else:
             yield maker.example(doc, "extract" if rng.random() < recipe.extract_share else "summarize")
@@ -320,7 +347,8 @@ def phases(recipe: Recipe):
     from clover_batch.model.train import Phase, TokenWeights, TrainOptions
 
     common = {"min_lr_ratio": recipe.min_lr_ratio, "weight_decay": recipe.weight_decay,
-              "grad_clip": recipe.grad_clip, "seed": recipe.seed, "weights": TokenWeights(1.0, recipe.answer_weight)}
+              "grad_clip": recipe.grad_clip, "seed": recipe.seed, "weights": TokenWeights(1.0, recipe.answer_weight),
+              "slow_heads": recipe.slow_heads, "slow_dt": recipe.slow_dt}
     out = []
     if recipe.ar_steps:
         out.append(Phase(AR_PHASE, TrainOptions(steps=recipe.ar_steps, lr=recipe.ar_lr,

@@ -21,6 +21,7 @@ from clover_batch.jobs.demo_corpus import (
     TRAIN_SEEDS,
     copy_drill,
     held_out,
+    held_out_long,
     make_document,
 )
 from clover_batch.jobs.demo_model import (
@@ -51,6 +52,12 @@ def test_documents_are_reproducible_and_seed_ranges_disjoint():
     ranges = sorted([TRAIN_SEEDS, HELD_OUT_SEEDS, EXAMPLE_SEEDS], key=lambda r: r.start)
     assert all(a.stop <= b.start for a, b in itertools.pairwise(ranges))
     assert [d.seed for d in held_out(3)] == list(HELD_OUT_SEEDS[:3])
+    # the long ones among the first held-out documents, in order (bench/diffusion_quality.py --long-only)
+    first = held_out(40)
+    long = [d.seed for d in first if d.extra["long"]]
+    assert 0 < len(long) < 40
+    assert [d.seed for d in held_out_long(len(long))] == long
+    assert all(d.extra["long"] for d in held_out_long(len(long) + 3))
 
 
 def test_targets_follow_the_fields_and_pass_the_pipeline_checks():
@@ -349,6 +356,42 @@ def test_long_documents_phase_draws_its_own_mostly_long_documents():
     seeds[LONG_PHASE] = {s for s, _ in docs}
     assert not (seeds[LONG_PHASE] & seeds[AR_PHASE]) and not (seeds[LONG_PHASE] & seeds[BD_PHASE])
     assert all(s in demo_corpus.TRAIN_SEEDS for s in seeds[LONG_PHASE])
+
+
+def test_long_drills_lie_beyond_the_window_and_slow_heads_reach_every_phase(demo):
+    """Recipe.long_drill_share: that share of every phase's pairs is the long drill, whose list lies more than the
+    demo's attention window before the answer and is the answer; at 0 (the committed recipe) the stream draws
+    no long drill. Recipe.slow_heads reaches every phase's TrainOptions."""
+    from clover_batch.jobs.demo_corpus import long_copy_drill
+    from clover_batch.jobs.demo_model import AR_PHASE, PHASE_DATA, Recipe, phases, training_pairs
+
+    maker = PairMaker(DEMO_DIR, job_instructions())
+    window = demo.config.window_tokens
+    for seed in range(40):
+        listed, text = long_copy_drill(seed)
+        assert text.startswith(listed + "\n\nOperations log\n")
+        ex = maker.long_drill(seed)
+        assert maker.builder.decode(ex.answer[:-1]) == listed and ex.answer[-1] == IM_END_ID
+        ids = ex.prompt
+        first_after = next(n for n in range(len(ids)) if listed in maker.builder.decode(ids[:n]))
+        assert len(ids) - first_after >= window, (seed, len(ids), first_after)  # only the GDN state reaches it
+    assert long_copy_drill(7) == long_copy_drill(7) != long_copy_drill(8)
+
+    def kinds(recipe, n=300):
+        stream = training_pairs(maker, recipe, phase=PHASE_DATA[AR_PHASE])
+        return [tuple(next(stream).prompt) for _ in range(n)]
+
+    with_drills = kinds(Recipe(long_drill_share=0.3), 200)
+    drills = sum("Operations log" in maker.builder.decode(list(p)) and COPY_INSTRUCTION in maker.builder.decode(
+        list(p)) for p in with_drills)
+    assert 0.2 < drills / len(with_drills) < 0.4, drills
+    base = Recipe()
+    assert base.long_drill_share == 0 and base.slow_heads == 0
+    assert not any(COPY_INSTRUCTION in maker.builder.decode(list(p)) and "Operations log" in maker.builder.decode(
+        list(p)) for p in kinds(base, 100))
+    assert all(p.options.slow_heads == 2 and p.options.slow_dt == 1e-3
+               for p in phases(Recipe(slow_heads=2, slow_dt=1e-3)))
+    assert all(p.options.slow_heads == 0 for p in phases(base))
 
 
 def test_tokenizer_gives_a_name_the_same_ids_in_the_document_and_in_the_answer():

@@ -25,6 +25,7 @@ from clover_batch.model.train import (
     layout,
     next_token_targets,
     noise_blocks,
+    set_slow_heads,
     train,
     train_phases,
 )
@@ -432,3 +433,53 @@ def test_a_phase_not_started_may_change_on_resume(tmp_path, one_thread):
         model = load_model("tiny-clover", seed=0)
         train_phases(model, [Phase("ar", TrainOptions(steps=7, ar_weight=1.0, bd_weight=0.0)),
                              Phase("bd", TrainOptions(steps=6))], lambda k: iter(()), saving=saving)
+
+
+def test_slow_heads_are_set_at_a_phase_start_and_held_through_its_steps(tmp_path, one_thread):
+    """TrainOptions.slow_heads: the last n value heads of every GDN layer decay by exactly exp(-slow_dt) a token
+    whatever the input, from the phase's first step to its last (their decay parameters get no gradient), while
+    the other heads' decays train; a run resumed in the middle ends with the uninterrupted run's weights."""
+    dt = 5e-4
+
+    def run(saving=None, interrupt=None):
+        torch.manual_seed(0)
+        model = load_model("tiny-clover", seed=0)
+        init_for_training(model, seed=0, embedding_std=0.5)
+        plan = [Phase("ar", TrainOptions(steps=3, lr=1e-2, warmup=1, log_every=1, ar_weight=1.0, bd_weight=0.0)),
+                Phase("long", TrainOptions(steps=4, lr=1e-2, warmup=1, log_every=1, ar_weight=1.0, bd_weight=0.0,
+                                           slow_heads=1, slow_dt=dt))]
+
+        def batches(k: int):
+            stream = _copy_examples(20 + k)
+            return iter(lambda: [next(stream) for _ in range(4)], None)
+
+        train_phases(model, plan, batches, saving=saving, on_log=_stop_at(interrupt) if interrupt else None)
+        return model
+
+    init = load_model("tiny-clover", seed=0)
+    init_for_training(init, seed=0, embedding_std=0.5)
+    model = run()
+    gdns = [(layer.linear_attn, start.linear_attn) for layer, start in zip(model.layers, init.layers, strict=True)
+            if layer.kind == "linear_attention"]
+    assert gdns
+    for gdn, start in gdns:
+        H = gdn.Hv
+        assert torch.equal(gdn.A_log[H - 1:], torch.zeros(1))
+        assert gdn.dt_bias[H - 1].item() == pytest.approx(math.log(math.expm1(dt)))
+        assert torch.equal(gdn.in_proj_a.weight[H - 1:], torch.zeros_like(gdn.in_proj_a.weight[H - 1:]))
+        assert not torch.equal(gdn.in_proj_a.weight[:H - 1], start.in_proj_a.weight[:H - 1])  # the others train
+        x = torch.randn(2, 9, model.config.hidden_size)
+        with torch.no_grad():
+            g = gdn._project(x).g  # log-decay per token [B, T, Hv]
+        assert torch.allclose(g[..., H - 1], torch.full_like(g[..., H - 1], -dt), rtol=1e-5)
+        assert (g[..., :H - 1] < -dt).any()  # the free heads decay faster somewhere
+    saving = Saving(tmp_path / "state.pt", every=1)
+    with pytest.raises(KeyboardInterrupt):
+        run(saving, ("long", 2))
+    resumed = run(saving)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
+    with pytest.raises(ValueError, match=r"slow_heads must be in 1\.\.4"):
+        set_slow_heads(model, 5, dt)
+    with pytest.raises(ValueError, match="slow_dt"):
+        TrainOptions(steps=1, slow_heads=1, slow_dt=0.0)
