@@ -401,10 +401,10 @@ def set_slow_heads(model: CloverModel, n: int, dt: float) -> None:
     (A_log 0), dt_bias = softplus^-1(dt) and their rows of in_proj_a zero, so g = -softplus(dt_bias) = -dt.
 
     Heads that a long document's facts can cross its log in (at dt 5e-4, 600 tokens keep 74% of the state):
-    trained freely from the Mamba-2 init, every head of the demo learned to forget within tens of tokens (the
-    committed checkpoint: 7 of its 8 heads keep 10^-5 to 10^-119 of the state from a long document's facts to
-    its answer, bench/gdn_memory.py),
-    and reset heads left trainable learned to forget again within 600 steps. `hold_slow_heads` keeps them."""
+    trained freely from the Mamba-2 init, all but one head of the demo learned to forget within tens of tokens
+    (the committed checkpoint's other 7 keep 10^-5 to 10^-119 of the state from a long document's facts to its
+    answer: bench/gdn_memory.py), and reset heads left trainable learned to forget again within 600 steps.
+    `hold_slow_heads` keeps them."""
     for gdn in _gdn_layers(model):
         if not 0 < n <= gdn.Hv:
             raise ValueError(f"slow_heads must be in 1..{gdn.Hv} (the GDN layers' value heads), got {n}")
