@@ -24,16 +24,16 @@ from clover_batch.jobs.demo_model import DEMO_DIR, PairMaker, job_instructions
 from clover_batch.model import load_model
 
 
-def facts_end_token(maker: PairMaker, ids: list[int], marker: str = "Operations log") -> int:
-    """The first token whose prefix decodes to text containing `marker` (where the log begins)."""
+def prefix_holding(maker: PairMaker, ids: list[int], text: str) -> int:
+    """The length of the shortest prefix of `ids` whose decoded text holds `text` (binary search on decoding)."""
     lo, hi = 0, len(ids)
     while lo < hi:
         mid = (lo + hi) // 2
-        if marker in maker.builder.decode(ids[:mid]):
+        if text in maker.builder.decode(ids[:mid]):
             hi = mid
         else:
             lo = mid + 1
-    return lo - 1
+    return lo
 
 
 def main() -> None:
@@ -54,7 +54,7 @@ def main() -> None:
     spans = []
     for doc in held_out_long(args.docs):
         ids = maker.prompt(doc, "extract")
-        end = facts_end_token(maker, ids)
+        end = prefix_holding(maker, ids, "Operations log") - 1  # where the log begins
         with torch.no_grad():
             model(torch.tensor([ids]), keep_logits=0)
         spans.append(len(ids) - end)

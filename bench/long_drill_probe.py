@@ -35,7 +35,8 @@ from clover_batch.jobs.demo_model import (
 )
 from clover_batch.model import generate
 from clover_batch.model.train import Example, Phase, batches_by_prefix, train_phases
-from long_probe import probe_options, trainable, write  # bench/ is on sys.path when this script runs
+from gdn_memory import prefix_holding  # bench/ is on sys.path when this script runs
+from long_probe import probe_options, trainable, write
 
 HELD_OUT_DRILLS = range(7_000_000, 7_000_048)  # seeds of the scored drills (training draws 5,000,001 on)
 
@@ -52,18 +53,6 @@ def long_drill(maker: PairMaker, seed: int) -> tuple[Example, str]:
     text = listed + "\n\nOperations log\n" + "\n".join(_log(rng, rng.randint(16, 28)))
     answer = [*maker.builder.encode(listed, specials=False), IM_END_ID]
     return Example(maker.builder.build(COPY_INSTRUCTION, text), answer), listed
-
-
-def list_end(maker: PairMaker, ids: list[int], listed: str) -> int:
-    """The number of prompt tokens up to the list's end (the shortest prefix that decodes to text holding it)."""
-    lo, hi = 0, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if listed in maker.builder.decode(ids[:mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 def main() -> None:
@@ -85,7 +74,7 @@ def main() -> None:
     held = [long_drill(maker, seed) for seed in HELD_OUT_DRILLS]
 
     window = model.config.window_tokens
-    beyond = [len(ex.prompt) - list_end(maker, ex.prompt, listed) >= window for ex, listed in held]
+    beyond = [len(ex.prompt) - prefix_holding(maker, ex.prompt, listed) >= window for ex, listed in held]
 
     def score() -> str:
         model.eval()
