@@ -11,6 +11,12 @@ folder:
     python bench/long_drill_probe.py --out /tmp/drill --steps 600 --threads 1
     python bench/long_drill_probe.py --out /tmp/drill-slow --slow-heads 2 --threads 1   # with held slow heads
     python bench/diffusion_quality.py --model /tmp/drill --docs 24 --long-only --modes ar   # long documents
+
+    python bench/long_drill_probe.py --model DIR --steps 0 --recipe-drills   # score only: the recipe's long drills
+
+With --recipe-drills it scores the recipe's own long drills instead (demo_corpus.long_copy_drill, 28-40 log lines:
+every list beyond the window) on held-out seeds. Beside the exact lists it counts what a drill only partly carried
+across the log: the first word right, the number of items right, and the list's words present in the answer.
 """
 
 from __future__ import annotations
@@ -20,7 +26,17 @@ import logging
 import random
 from pathlib import Path
 
-from clover_batch.jobs.demo_corpus import _amount, _company, _date, _doc_date, _log, _person, fmt_eur
+from clover_batch.jobs.demo_corpus import (
+    HELD_OUT_SEEDS,
+    _amount,
+    _company,
+    _date,
+    _doc_date,
+    _log,
+    _person,
+    fmt_eur,
+    long_copy_drill,
+)
 from clover_batch.jobs.demo_model import (
     COPY_INSTRUCTION,
     DEMO_DIR,
@@ -39,6 +55,8 @@ from gdn_memory import prefix_holding  # bench/ is on sys.path when this script 
 from long_probe import probe_options, trainable, write
 
 HELD_OUT_DRILLS = range(7_000_000, 7_000_048)  # seeds of the scored drills (training draws 5,000,001 on)
+# --recipe-drills: seeds of held-out documents far past any the benches draw (held_out(n) takes the first n)
+HELD_OUT_RECIPE_DRILLS = HELD_OUT_SEEDS[50_000:50_048]
 
 
 def long_drill(maker: PairMaker, seed: int) -> tuple[Example, str]:
@@ -55,9 +73,29 @@ def long_drill(maker: PairMaker, seed: int) -> tuple[Example, str]:
     return Example(maker.builder.build(COPY_INSTRUCTION, text), answer), listed
 
 
+def recipe_drill(maker: PairMaker, seed: int) -> tuple[Example, str]:
+    """(the recipe's long drill of `seed` as an example, its list)."""
+    listed, text = long_copy_drill(seed)
+    answer = [*maker.builder.encode(listed, specials=False), IM_END_ID]
+    return Example(maker.builder.build(COPY_INSTRUCTION, text), answer), listed
+
+
+def words(text: str) -> set[str]:
+    return set(text.replace(",", " ").split())
+
+
+def partial(outputs: list[str], lists: list[str]) -> str:
+    """What the answers carried of their lists short of the whole: first word, item count, words present."""
+    first = sum(o.split()[:1] == want.split()[:1] for o, want in zip(outputs, lists, strict=True))
+    count = sum(o.count(",") == want.count(",") for o, want in zip(outputs, lists, strict=True))
+    present = sum(len(words(o) & words(want)) for o, want in zip(outputs, lists, strict=True))
+    return (f"first word right {first}/{len(lists)}, item count right {count}/{len(lists)}, "
+            f"the lists' words present {present}/{sum(len(words(want)) for want in lists)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
+    ap.add_argument("--out", type=Path, help="checkpoint folder to write (not with --steps 0)")
     ap.add_argument("--model", type=Path, default=DEMO_DIR, help="checkpoint to start from")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--lr", type=float, default=Recipe.long_lr)
@@ -66,12 +104,16 @@ def main() -> None:
                     help="per-token loss weight of prompt and document tokens (answers: the recipe's weight)")
     ap.add_argument("--slow-heads", type=int, default=0, help="TrainOptions.slow_heads (bench/long_probe.py)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--recipe-drills", action="store_true",
+                    help="score the recipe's long drills (demo_corpus.long_copy_drill) on held-out seeds")
     args = ap.parse_args()
+    if args.steps and args.out is None:
+        ap.error("--out is required unless --steps 0 (score only)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     model = trainable(args.model, args.threads)
-    recipe, options = probe_options(args.steps, args.lr, args.prompt_weight, args.slow_heads)
     maker = PairMaker(str(args.model), job_instructions())
-    held = [long_drill(maker, seed) for seed in HELD_OUT_DRILLS]
+    held = ([recipe_drill(maker, seed) for seed in HELD_OUT_RECIPE_DRILLS] if args.recipe_drills else
+            [long_drill(maker, seed) for seed in HELD_OUT_DRILLS])
 
     window = model.config.window_tokens
     beyond = [len(ex.prompt) - prefix_holding(maker, ex.prompt, listed) >= window for ex, listed in held]
@@ -80,12 +122,14 @@ def main() -> None:
         model.eval()
         gens = generate(model, [ex.prompt for ex, _ in held], max_new_tokens=48, temperature=0.0,
                         mode="autoregressive")
-        exact = [maker.builder.decode(g.tokens).strip() == listed for (_, listed), g in zip(held, gens, strict=True)]
+        outputs = [maker.builder.decode(g.tokens).strip() for g in gens]
+        lists = [listed for _, listed in held]
+        exact = [o == want for o, want in zip(outputs, lists, strict=True)]
         far = sum(e for e, b in zip(exact, beyond, strict=True) if b)
         near = sum(e for e, b in zip(exact, beyond, strict=True) if not b)
         model.train()
         return (f"held-out long drills exact: {far}/{sum(beyond)} of the lists beyond the {window}-token window, "
-                f"{near}/{len(held) - sum(beyond)} of those within it")
+                f"{near}/{len(held) - sum(beyond)} of those within it; {partial(outputs, lists)}")
 
     def batches(k: int):
         rng = random.Random(5)
@@ -104,6 +148,9 @@ def main() -> None:
         logging.info("step %d  loss %.4f  %.0f s%s", step, float(report.loss), seconds, scored)
 
     logging.info("before: %s", score())
+    if not args.steps:
+        return
+    recipe, options = probe_options(args.steps, args.lr, args.prompt_weight, args.slow_heads)
     train_phases(model, [Phase(LONG_PHASE, options)], batches, on_log=logged)
     write(model, args.model, args.out)
 

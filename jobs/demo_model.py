@@ -154,7 +154,8 @@ class Recipe:
     long_drill_share: float = 0.0
     # the last `slow_heads` value heads of every GDN layer decay by exp(-slow_dt) a token whatever the input, held
     # so in every phase (model.train.TrainOptions.slow_heads); trained freely every head but one learned to forget
-    # within tens of tokens (docs/models.md); 0 leaves every head free
+    # within tens of tokens (docs/models.md); held from the first step with long drills at 0.15, they carried a
+    # drill's first word and item count across the log but no more long-document fields; 0 leaves every head free
     slow_heads: int = 0
     slow_dt: float = 5e-4
     tokenizer_docs: int = 4000  # documents the BPE is trained on

@@ -47,8 +47,9 @@ Notable choices:
   model that must carry a document's facts across windows cannot start from.
 - `TrainOptions.slow_heads` gives the last n value heads of every GDN layer a fixed slow decay for a phase
   (`set_slow_heads` at its start, `hold_slow_heads` after every backward). Trained freely, every head of the demo
-  but one learned to forget within tens of tokens; the recipe does not use it yet (docs/models.md: held slow heads
-  keep the state, and in 600-step probes still did not carry long documents' facts).
+  but one learned to forget within tens of tokens; the recipe does not use it (docs/models.md: held slow heads
+  keep the state; in probes, and in a run holding them from the first step, they carried a list's first word and
+  length across a log longer than the window, but no more of a long document's facts).
 - `train_phases` runs phases (each its own AdamW and schedule, from the previous phase's weights) and saves what a
   resumed run needs (weights, optimizer, noise generator, step) every `save_every` steps: a resumed run replays its
   data stream to the saved step, so it sees the data in the same order and ends with the same weights.
