@@ -74,10 +74,8 @@ def long_drill(maker: PairMaker, seed: int) -> tuple[Example, str]:
 
 
 def recipe_drill(maker: PairMaker, seed: int) -> tuple[Example, str]:
-    """(the recipe's long drill of `seed` as an example, its list)."""
-    listed, text = long_copy_drill(seed)
-    answer = [*maker.builder.encode(listed, specials=False), IM_END_ID]
-    return Example(maker.builder.build(COPY_INSTRUCTION, text), answer), listed
+    """(the recipe's long drill of `seed`, as training builds it, its list)."""
+    return maker.long_drill(seed), long_copy_drill(seed)[0]
 
 
 def words(text: str) -> set[str]:
