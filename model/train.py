@@ -530,7 +530,8 @@ def _load_saved(saving: Saving | None, phases: list[Phase]) -> dict | None:
 
 def train_phases(model: CloverModel, phases: list[Phase], batches: Callable[[int], Iterable[list[Example]]], *,
                  saving: Saving | None = None,
-                 on_log: Callable[[str, int, LossReport, float], None] | None = None) -> list[TrainLog]:
+                 on_log: Callable[[str, int, LossReport, float], None] | None = None,
+                 aux_loss: Callable[[list[Example]], torch.Tensor] | None = None) -> list[TrainLog]:
     """Run the phases in order, each with its own AdamW and learning-rate schedule from the weights the previous one
     left; returns one loss curve per phase.
 
@@ -540,6 +541,8 @@ def train_phases(model: CloverModel, phases: list[Phase], batches: Callable[[int
     the saved step, and the run ends with the weights an uninterrupted one ends with.
     on_log(phase name, step, mean report of the steps since the last call, seconds so far) every `log_every` steps
     of a phase and at its end (the report's loss, ar and bd hold those means).
+    aux_loss(batch), if given, is called after each batch's forward passes and added to its loss before the
+    backward (a probe's extra term, computed from what its own forward hooks caught); the logged loss includes it.
     """
     saved = _load_saved(saving, phases)
     logs: list[TrainLog] = [TrainLog(**lg) for lg in saved["logs"]] if saved else []
@@ -577,6 +580,8 @@ def train_phases(model: CloverModel, phases: list[Phase], batches: Callable[[int
             batch = next(it)
             with torch.enable_grad():
                 report = batch_loss(model, batch, gen, options)
+                if aux_loss is not None:
+                    report.loss = report.loss + aux_loss(batch)
                 opt.zero_grad(set_to_none=True)
                 report.loss.backward()
             if options.slow_heads:

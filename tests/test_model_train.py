@@ -483,3 +483,35 @@ def test_slow_heads_are_set_at_a_phase_start_and_held_through_its_steps(tmp_path
         set_slow_heads(model, 5, dt)
     with pytest.raises(ValueError, match="slow_dt"):
         TrainOptions(steps=1, slow_heads=1, slow_dt=0.0)
+
+
+def test_an_aux_loss_is_added_to_every_step_and_trains_what_it_depends_on(one_thread):
+    """train_phases(aux_loss=): a constant term shifts every logged loss by exactly itself and leaves the weights
+    those of a run without it; a term on the GDN layers' write-strength weights (bench/long_drill_probe.py's
+    penalty on beta acts on them) pushes every one of them down against the run without it."""
+
+    def run(aux=None):
+        torch.manual_seed(0)
+        model = load_model("tiny-clover", seed=0)
+        init_for_training(model, seed=0, embedding_std=0.5)
+        plan = [Phase("ar", TrainOptions(steps=3, lr=1e-2, warmup=1, log_every=1, ar_weight=1.0, bd_weight=0.0,
+                                         weight_decay=0.0))]
+        stream = _copy_examples(30)
+        logs = train_phases(model, plan, lambda k: iter(lambda: [next(stream) for _ in range(4)], None),
+                            aux_loss=None if aux is None else lambda batch: aux(model, batch))
+        return model, logs[0].losses
+
+    plain, losses = run()
+    shifted, shifted_losses = run(lambda model, batch: torch.tensor(0.25 * len(batch)))
+    assert shifted_losses == pytest.approx([x + 1.0 for x in losses], abs=1e-6)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, shifted.state_dict()[name]), name
+
+    def beta_sum(model, batch):
+        return sum(layer.linear_attn.in_proj_b.weight.sum() for layer in model.layers
+                   if layer.kind == "linear_attention")
+
+    pushed, _ = run(beta_sum)
+    for layer, ref in zip(pushed.layers, plain.layers, strict=True):
+        if layer.kind == "linear_attention":  # descending on sum(w) lowers every weight against the plain run
+            assert bool((layer.linear_attn.in_proj_b.weight < ref.linear_attn.in_proj_b.weight).all())
