@@ -136,6 +136,8 @@ class LogWrites:
         return logged.mean()
 
     def report(self) -> str:
+        if not self.stats["log"][1]:
+            return "held heads' beta: no operations log in these steps"
         means = {k: s / max(1, n) for k, (s, n) in self.stats.items()}
         self.stats = {"log": [0.0, 0], "before": [0.0, 0]}
         return f"held heads' beta: log {means['log']:.3f}, before it {means['before']:.3f}"
