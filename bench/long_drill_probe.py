@@ -156,6 +156,13 @@ def partial(outputs: list[str], lists: list[str]) -> str:
             f"the lists' words present {present}/{sum(len(words(want)) for want in lists)}")
 
 
+def list_start(ex: Example) -> int | None:
+    """Where a drill's list begins in its prompt: the first position whose tokens are the answer's (its stop token
+    left out); None where the list is tokenised otherwise in the document than in the answer."""
+    answer, prompt = list(ex.answer[:-1]), list(ex.prompt)
+    return next((s for s in range(len(prompt) - len(answer) + 1) if prompt[s:s + len(answer)] == answer), None)
+
+
 def addressing(model, maker: PairMaker, held: list[tuple[Example, str]],
                heads: int) -> dict[tuple[int, bool], list[tuple[int, int, int]]]:
     """Where the last `heads` value heads of every GDN layer look for each answer token among the list's writes.
@@ -188,9 +195,8 @@ def addressing(model, maker: PairMaker, held: list[tuple[Example, str]],
     try:
         for ex, _ in held:
             answer, prompt = list(ex.answer[:-1]), list(ex.prompt)
-            start = next((s for s in range(len(prompt) - len(answer) + 1)
-                          if prompt[s:s + len(answer)] == answer), None)
-            if start is None:  # the list tokenised otherwise in the document than in the answer
+            start = list_start(ex)
+            if start is None:
                 continue
             with torch.no_grad():
                 model(torch.tensor([prompt + list(ex.answer)]), keep_logits=0)

@@ -42,14 +42,14 @@ def _lookup_model(key_tap: int):
     return model.eval()
 
 
-def _previous_unique(maker: PairMaker, held) -> list[bool]:
+def _previous_unique(probe, held) -> list[bool]:
     """Per (drill, held head, answer token after the first), in `addressing`'s order: whether the token before it is
     the only one of its kind before a position of the list (a key made from it then matches no other position)."""
     flags = []
     for ex, _ in held:
-        answer, prompt = list(ex.answer[:-1]), list(ex.prompt)
-        start = next(s for s in range(len(prompt) - len(answer) + 1) if prompt[s:s + len(answer)] == answer)
-        before = prompt[start - 1:start + len(answer) - 1]
+        answer, start = ex.answer[:-1], probe.list_start(ex)
+        assert start is not None
+        before = list(ex.prompt[start - 1:start + len(answer) - 1])
         flags += [before.count(before[j]) == 1 for j in range(1, len(answer))] * 2
     return flags
 
@@ -57,7 +57,7 @@ def _previous_unique(maker: PairMaker, held) -> list[bool]:
 def test_addressing_finds_a_built_in_look_up_at_its_offset(probe, one_thread):
     maker = PairMaker(str(DEMO_DIR), job_instructions())
     held = [probe.recipe_drill(maker, seed) for seed in probe.HELD_OUT_RECIPE_DRILLS[:12]]
-    unique = _previous_unique(maker, held)
+    unique = _previous_unique(probe, held)
     # the key written at a list position made from the token before it: the query of the token just copied finds
     # the position holding the next one, first among the list's positions wherever that token is unique there
     # (an amount's repeated digits tie, and the later of two equal keys wins by its shorter decay)
