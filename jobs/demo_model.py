@@ -43,7 +43,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -158,6 +158,21 @@ class Recipe:
     # drill's first word and item count across the log but no more long-document fields; 0 leaves every head free
     slow_heads: int = 0
     slow_dt: float = 5e-4
+    # the attention window of the short copy drills' training forwards (0: the model's; model.train.Example)
+    copy_window: int = 0
+    # phase 1c, the GDN look-up (docs/models.md, "A look-up forms where attention cannot copy"), between phase 1b and
+    # phase 2; 0 steps leaves it out (the committed recipe has none). Trained on documents, or on drills at the
+    # model's window, the GDN heads stored a list but never addressed it (the next word's position ranked first at
+    # chance); with an attention window of a few tokens only the GDN state can copy, and a look-up formed, but drills
+    # alone for 2,500 steps took the extractions with them. So the phase mixes: phase 1b's mix, long drills at
+    # `lookup_drill_share`, and of the other pairs `lookup_copy_share` short copy drills at a `lookup_window`-token
+    # window (documents and long drills at the model's)
+    lookup_steps: int = 0
+    lookup_lr: float = 3e-3
+    lookup_warmup: int = 20
+    lookup_window: int = 8
+    lookup_copy_share: float = 0.5
+    lookup_drill_share: float = 0.15
     tokenizer_docs: int = 4000  # documents the BPE is trained on
     # where the tokenizer puts a space before a capitalised word (train_tokenizer): "attach" to the word before it,
     # "isolate" as a token of its own, "prefix" to the capitalised word (GPT-2's byte-level BPE)
@@ -288,12 +303,13 @@ class PairMaker:
     def target(self, doc: Document, task: str) -> str:
         return doc.extraction if task == "extract" else doc.summary
 
-    def drill(self, items: str):
-        """The copy drill: the list after COPY_INSTRUCTION, answered by the list itself."""
+    def drill(self, items: str, window: int | None = None):
+        """The copy drill: the list after COPY_INSTRUCTION, answered by the list itself; trained at an attention
+        window of `window` tokens (None: the phase's)."""
         from clover_batch.model.train import Example
 
         answer = [*self.builder.encode(items, specials=False), IM_END_ID]
-        return Example(self.builder.build(COPY_INSTRUCTION, items), answer)
+        return Example(self.builder.build(COPY_INSTRUCTION, items), answer, window_tokens=window)
 
     def long_drill(self, seed: int):
         """The long drill (demo_corpus.long_copy_drill): the list and its log after COPY_INSTRUCTION, answered by
@@ -326,25 +342,39 @@ def training_pairs(maker: PairMaker, recipe: Recipe, *, short: int = 0, phase: i
         if recipe.long_drill_share and rng.random() < recipe.long_drill_share:
             yield maker.long_drill(doc.seed)
         elif rng.random() < recipe.copy_share:
-            yield maker.drill(copy_drill(doc.seed))
+            yield maker.drill(copy_drill(doc.seed), recipe.copy_window or None)
         else:
             yield maker.example(doc, "extract" if rng.random() < recipe.extract_share else "summarize")
 
 
 AR_PHASE, LONG_PHASE, BD_PHASE = "autoregressive", "long documents", "block diffusion"
-PHASE_DATA = {AR_PHASE: 0, BD_PHASE: 1, LONG_PHASE: 2}  # each phase's `training_pairs(phase=)`: its own documents
+LOOKUP_PHASE = "look-up"
+# each phase's `training_pairs(phase=)`: its own documents
+PHASE_DATA = {AR_PHASE: 0, BD_PHASE: 1, LONG_PHASE: 2, LOOKUP_PHASE: 3}
+# the Recipe fields only these phases read; every other field shapes the first phase already (tokenizer, init, data)
+PHASE_FIELDS = {
+    LONG_PHASE: ("long_steps", "long_lr", "long_warmup"),
+    LOOKUP_PHASE: ("lookup_steps", "lookup_lr", "lookup_warmup", "lookup_window", "lookup_copy_share",
+                   "lookup_drill_share"),
+    BD_PHASE: ("bd_steps", "bd_lr", "bd_warmup", "bd_ar_weight", "eps", "noise_copies"),
+}
+UNSHAPING_FIELDS = ("threads", "save_every")  # change the time and the saves, never the weights
 
 
 def phase_mix(recipe: Recipe, name: str) -> Recipe:
-    """The recipe as phase `name` draws its training pairs: phase 1b has its own mix of long documents and drills."""
+    """The recipe as phase `name` draws its training pairs: phase 1b has its own mix of long documents and drills,
+    phase 1c phase 1b's with its own shares of long drills and of short copy drills at its narrow window."""
     if name == LONG_PHASE:
         return replace(recipe, long_share=recipe.long_mix, copy_share=recipe.long_copy_share)
+    if name == LOOKUP_PHASE:
+        return replace(phase_mix(recipe, LONG_PHASE), copy_share=recipe.lookup_copy_share,
+                       long_drill_share=recipe.lookup_drill_share, copy_window=recipe.lookup_window)
     return recipe
 
 
 def phases(recipe: Recipe):
     """The recipe's training phases (model.train.Phase), those with steps, in order: autoregressive, long documents,
-    block diffusion."""
+    look-up, block diffusion."""
     from clover_batch.model.train import Phase, TokenWeights, TrainOptions
 
     common = {"min_lr_ratio": recipe.min_lr_ratio, "weight_decay": recipe.weight_decay,
@@ -357,6 +387,10 @@ def phases(recipe: Recipe):
     if recipe.long_steps:
         out.append(Phase(LONG_PHASE, TrainOptions(steps=recipe.long_steps, lr=recipe.long_lr,
                                                   warmup=recipe.long_warmup, ar_weight=1.0, bd_weight=0.0, **common)))
+    if recipe.lookup_steps:
+        out.append(Phase(LOOKUP_PHASE, TrainOptions(steps=recipe.lookup_steps, lr=recipe.lookup_lr,
+                                                    warmup=recipe.lookup_warmup, ar_weight=1.0, bd_weight=0.0,
+                                                    **common)))
     if recipe.bd_steps:
         out.append(Phase(BD_PHASE, TrainOptions(steps=recipe.bd_steps, lr=recipe.bd_lr, warmup=recipe.bd_warmup,
                                                 eps=recipe.eps, noise_copies=recipe.noise_copies,
@@ -370,28 +404,73 @@ def phases(recipe: Recipe):
 
 # Recipe fields the command sets, and its option for each
 COMMAND_OPTIONS = {"seed": "--seed", "ar_steps": "--ar-steps", "long_steps": "--long-steps", "bd_steps": "--bd-steps"}
+# the recipes `train-demo --recipe NAME` starts from: the committed checkpoint's, and the GDN look-up's (phase 1c,
+# held slow heads, long drills from the first step; docs/models.md)
+RECIPES = {
+    "default": Recipe(),
+    "look-up": Recipe(slow_heads=2, long_drill_share=0.15, lookup_steps=2400),
+}
 
 
 def train_command(out: Path, recipe: Recipe) -> str:
     """The `clover-batch model train-demo` command line that makes this recipe's checkpoint in `out` (threads
-    change the time, not the weights, and are left out)."""
-    default = Recipe()
+    change the time, not the weights, and are left out), or, for a recipe built in Python that no preset and
+    options make, a sentence saying so and naming the fields that differ from the nearest preset."""
+    ignored = {name: getattr(Recipe(), name) for name in (*COMMAND_OPTIONS, *UNSHAPING_FIELDS)}
+    differ = {preset: [f.name for f in fields(Recipe) if f.name not in ignored
+                       and getattr(recipe, f.name) != getattr(base, f.name)] for preset, base in RECIPES.items()}
+    preset = min(differ, key=lambda name: len(differ[name]))
+    if differ[preset]:
+        return f"no train-demo command: the recipe is the {preset!r} preset with other {', '.join(differ[preset])}"
+    chosen = "" if preset == "default" else f" --recipe {preset}"
     options = "".join(f" {flag} {getattr(recipe, name)}" for name, flag in COMMAND_OPTIONS.items()
-                      if getattr(recipe, name) != getattr(default, name))
-    return f"clover-batch model train-demo --out {out}{options}"
+                      if getattr(recipe, name) != getattr(RECIPES[preset], name))
+    return f"clover-batch model train-demo --out {out}{chosen}{options}"
+
+
+def later_recipe(saved: Recipe, recipe: Recipe, started: list[str]) -> None:
+    """Check that `recipe` may continue a run of `saved` whose phases `started` are done (a run stopped at a phase's
+    end): it differs only in fields that no started phase reads, so the finished phases are those `recipe` would
+    have trained, and the run ends with the weights a run of `recipe` from the start ends with. Raises ValueError
+    naming the fields otherwise."""
+    read = set().union(*(f for name, f in PHASE_FIELDS.items() if name in started))
+    free = set(UNSHAPING_FIELDS).union(*(f for name, f in PHASE_FIELDS.items() if name not in started)) - read
+    differ = [f.name for f in fields(Recipe) if getattr(saved, f.name) != getattr(recipe, f.name)]
+    shaping = [name for name in differ if name not in free]
+    if shaping:
+        raise ValueError(f"the run's finished phases ({', '.join(started)}) were trained with other "
+                         f"{', '.join(shaping)}: it can only go on under its own recipe")
 
 
 RESUME = "resume"  # OUT/resume: the recipe, the shape and the saved training state of an unfinished run
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "training.json")
 
 
+def _extend(state_dir: Path, saved: Recipe, recipe: Recipe) -> None:
+    """Refuse to continue the run saved in `state_dir` under `recipe` unless it stopped at a phase's end and
+    `recipe` differs from its own only in phases it has not started (later_recipe)."""
+    import torch
+
+    state = torch.load(state_dir / "state.pt", map_location="cpu", weights_only=True)
+    plan = phases(saved)
+    done = state["phase"] + 1
+    if state["step"] != plan[state["phase"]].options.steps:
+        raise ValueError(f"the run in {state_dir.parent} stopped inside its phase {plan[state['phase']].name!r} (step "
+                         f"{state['step']} of {plan[state['phase']].options.steps}): only a run stopped at a phase's "
+                         f"end can go on under another recipe")
+    later_recipe(saved, recipe, [p.name for p in plan[:done]])
+
+
 def train_demo(out: Path, recipe: Recipe = Recipe(), shape: DemoShape = DemoShape(), *,
                overwrite: bool = False, resume: bool = False, threads: int | None = None,
+               extend: Recipe | None = None,
                on_log: Callable[[str, int, CloverModel, PairMaker], None] | None = None) -> dict:
     """Train the demo checkpoint into `out`; returns the training report (also written as training.json).
 
     resume: continue the unfinished run whose state is in OUT/resume (its recipe and shape; the ones given are
-    not used), from its last save, with the same data order. threads: CPU threads (default: the recipe's; a
+    not used), from its last save, with the same data order. extend (with resume): continue it under this recipe
+    instead, which may add or change only phases the run has not started, from a save at a phase's end (the
+    recipe is then the run's, in OUT/resume/run.json and training.json). threads: CPU threads (default: the recipe's; a
     resumed session may use another count). on_log(phase, step, model, pair maker): called at every logged step
     (bench/demo_recipes.py probes the model there); it must leave the model as it found it.
     """
@@ -404,7 +483,13 @@ def train_demo(out: Path, recipe: Recipe = Recipe(), shape: DemoShape = DemoShap
         if not (state_dir / "run.json").exists():
             raise FileNotFoundError(f"{out} holds no unfinished training run ({state_dir / 'run.json'} is missing)")
         run = json.loads((state_dir / "run.json").read_text())
-        recipe, shape = Recipe(**run["recipe"]), DemoShape(**run["shape"])
+        saved, shape = Recipe(**run["recipe"]), DemoShape(**run["shape"])
+        if extend is not None:
+            _extend(state_dir, saved, extend)
+            run["recipe"] = asdict(extend)
+            run.setdefault("extended", []).append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "from": asdict(saved)})
+            (state_dir / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+        recipe = Recipe(**run["recipe"])
     elif any((out / f).exists() for f in (*CHECKPOINT_FILES, RESUME)) and not overwrite:
         raise FileExistsError(f"{out} already holds a checkpoint or an unfinished run; pass --overwrite to replace "
                               f"it, or --resume {out} to continue the run")
@@ -474,6 +559,7 @@ def train_demo(out: Path, recipe: Recipe = Recipe(), shape: DemoShape = DemoShap
         "seconds": {"tokenizer": run["tokenizer_seconds"], "training": round(sum(lg.seconds for lg in logs), 1),
                     "training_cpu": round(sum(lg.cpu_seconds for lg in logs), 1)},
         "sessions": run["sessions"],
+        **({"extended": run["extended"]} if "extended" in run else {}),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "torch": torch.__version__},
     }

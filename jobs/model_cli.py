@@ -267,6 +267,10 @@ def train_demo_command(
     bd_steps: Annotated[int | None, typer.Option(
         help=f"Phase 2 steps: block diffusion from the phase-1 weights, with {Recipe.bd_ar_weight} of the "
              f"autoregressive loss kept (recipe: {Recipe.bd_steps}).")] = None,
+    recipe_name: Annotated[str | None, typer.Option("--recipe", help=(
+        "Preset recipe the step options change: 'default' (the committed checkpoint's) or 'look-up' (phases 1c-1e "
+        "teach the GDN heads to look a fact up, docs/models.md). With --resume: go on under it from a save at a "
+        "phase's end, where it differs only in phases the run has not started."))] = None,
     threads: Annotated[int, typer.Option(help="CPU threads for training (on a busy machine 1 is faster).")] = 2,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a checkpoint already in --out.")] = False,
     resume: Annotated[Path | None, typer.Option(
@@ -278,25 +282,28 @@ def train_demo_command(
     import dataclasses
     import logging
 
-    from clover_batch.jobs.demo_model import train_demo
+    from clover_batch.jobs.demo_model import RECIPES, train_demo
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    recipe = Recipe(seed=seed, threads=threads)
-    if ar_steps is not None:
-        recipe = dataclasses.replace(recipe, ar_steps=ar_steps)
-    if long_steps is not None:
-        recipe = dataclasses.replace(recipe, long_steps=long_steps)
-    if bd_steps is not None:
-        recipe = dataclasses.replace(recipe, bd_steps=bd_steps)
     with _clean_errors():
-        if resume is not None and any(x is not None for x in (ar_steps, long_steps, bd_steps)):
+        if recipe_name is not None and recipe_name not in RECIPES:
+            raise CommandError(f"--recipe {recipe_name!r} is not a preset: choose one of {', '.join(RECIPES)}")
+        recipe = dataclasses.replace(RECIPES[recipe_name or "default"], seed=seed, threads=threads)
+        if ar_steps is not None:
+            recipe = dataclasses.replace(recipe, ar_steps=ar_steps)
+        if long_steps is not None:
+            recipe = dataclasses.replace(recipe, long_steps=long_steps)
+        if bd_steps is not None:
+            recipe = dataclasses.replace(recipe, bd_steps=bd_steps)
+        if resume is not None and recipe_name is None and any(x is not None for x in (ar_steps, long_steps, bd_steps)):
             raise CommandError("--resume continues a run with its own recipe: --ar-steps, --long-steps and "
-                               "--bd-steps do not apply")
+                               "--bd-steps apply only with --recipe (to go on under another recipe)")
         try:
             if resume is not None:
                 out = resume
-            report = train_demo(out, recipe, overwrite=overwrite, resume=resume is not None, threads=threads)
-        except (FileExistsError, FileNotFoundError) as e:
+            report = train_demo(out, recipe, overwrite=overwrite, resume=resume is not None, threads=threads,
+                                extend=recipe if resume is not None and recipe_name is not None else None)
+        except (FileExistsError, FileNotFoundError, ValueError) as e:
             raise CommandError(str(e)) from None
     size = (out / "model.safetensors").stat().st_size
     console.print(f"wrote {out}: {report['parameters']['total'] / 1e6:.2f}M parameters, model.safetensors "

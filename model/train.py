@@ -50,6 +50,9 @@ Notable choices:
   but one learned to forget within tens of tokens; the recipe does not use it (docs/models.md: held slow heads
   keep the state; in probes, and in a run holding them from the first step, they carried a list's first word and
   length across a log longer than the window, but no more of a long document's facts).
+- `TrainOptions.window_tokens` trains an autoregressive phase at another attention window than the model's (the
+  checkpoint keeps its own). With a few tokens attention cannot copy what lies further back and only the GDN state
+  can: the demo's GDN heads learned to look up a list's next word only so (docs/models.md).
 - `train_phases` runs phases (each its own AdamW and schedule, from the previous phase's weights) and saves what a
   resumed run needs (weights, optimizer, noise generator, step) every `save_every` steps: a resumed run replays its
   data stream to the saved step, so it sees the data in the same order and ends with the same weights.
@@ -67,7 +70,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 import torch
@@ -86,6 +89,9 @@ class Example:
 
     prompt: list[int]
     answer: list[int]  # the target continuation, ending with a stop token
+    # the attention window of this example's autoregressive forward (None: the phase's): a drill at a few tokens,
+    # which only the GDN state can copy, beside documents at the model's window in one batch
+    window_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -211,13 +217,29 @@ class LossReport:
     blocks: int = 0  # noised blocks
 
 
-def ar_loss(model: CloverModel, examples: list[Example], weights: TokenWeights = TokenWeights()) -> LossReport:
-    """The autoregressive loss of a batch: one causal forward over each whole sequence (padded at the end)."""
+def ar_loss(model: CloverModel, examples: list[Example], weights: TokenWeights = TokenWeights(), *,
+            window_tokens: int | None = None) -> LossReport:
+    """The autoregressive loss of a batch: one causal forward over each whole sequence (padded at the end), one
+    forward per attention window where examples carry their own (Example.window_tokens), the weighted sum over
+    all of them divided by their summed weights.
+
+    window_tokens: the attention window of the examples that carry none (None: the model's)."""
     _check_scores_next_token(model)
-    length = max(len(ex.prompt) + len(ex.answer) for ex in examples)
-    ids, targets, weight = next_token_targets(examples, weights, length, _pad_id(model))
-    logits, _ = model.forward_train(ids.to(model.device), None, attention="causal")
-    loss = weighted_next_token_loss(logits, targets, weight)  # type: ignore[arg-type]
+    groups: dict[int | None, list[Example]] = {}
+    for ex in examples:
+        groups.setdefault(ex.window_tokens or window_tokens, []).append(ex)
+    sums: list[tuple[torch.Tensor, torch.Tensor]] = []  # (sum of weight * cross-entropy, sum of weights) a group
+    for window, group in groups.items():
+        length = max(len(ex.prompt) + len(ex.answer) for ex in group)
+        ids, targets, weight = next_token_targets(group, weights, length, _pad_id(model))
+        logits, _ = model.forward_train(ids.to(model.device), None, attention="causal", window_tokens=window)
+        assert logits is not None
+        weight = weight.to(logits.device)
+        keep = weight > 0
+        ce = F.cross_entropy(logits[keep].float(), targets.to(logits.device)[keep], reduction="none")
+        sums.append(((ce * weight[keep]).sum(), weight[keep].sum()))
+    loss = sum(part for part, _ in sums) / sum(w for _, w in sums)
+    assert isinstance(loss, torch.Tensor)
     return LossReport(loss, ar=float(loss.detach()))
 
 
@@ -335,6 +357,9 @@ def diffusion_loss(model: CloverModel, examples: list[Example], generator: torch
     attention = _clean_attention(model)
     if ar_weight:
         _check_scores_next_token(model)
+    if any(ex.window_tokens for ex in examples):
+        raise ValueError("an example with its own attention window (Example.window_tokens) trains autoregressively "
+                         "only; the block-diffusion loss runs at the model's window, as decoding does")
     pad = _pad_id(model)
     layouts = [layout(ex, d.block_size, pad) for ex in examples]
     noised = noise_blocks(layouts, d.block_size, d.mask_token_id, generator, eps=eps, copies=copies)
@@ -445,10 +470,19 @@ class TrainOptions:
     # token, whatever the input) at the phase's start, and their decay parameters no gradient during it
     slow_heads: int = 0
     slow_dt: float = 5e-4
+    # the attention window of the phase's forwards (0: the model's). A few tokens keep attention from copying what
+    # lies further back, so only the GDN state can carry it: how the demo's look-up is learned (docs/models.md).
+    # Autoregressive phases only; the checkpoint keeps the model's window.
+    window_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.slow_heads < 0 or not 0 < self.slow_dt < 1:
             raise ValueError(f"slow_heads must be >= 0 and slow_dt in (0, 1), got {self.slow_heads}, {self.slow_dt}")
+        if self.window_tokens < 0:
+            raise ValueError(f"window_tokens must be >= 0 (0: the model's window), got {self.window_tokens}")
+        if self.window_tokens and self.bd_weight:
+            raise ValueError("window_tokens sets the window of an autoregressive phase (bd_weight 0); a "
+                             "block-diffusion phase trains at the model's window, as its checkpoint decodes")
         if self.ar_weight < 0 or self.bd_weight < 0 or self.ar_weight + self.bd_weight == 0:
             raise ValueError(f"ar_weight and bd_weight must be >= 0 and not both 0, got {self.ar_weight}, "
                              f"{self.bd_weight}")
@@ -464,7 +498,7 @@ def batch_loss(model: CloverModel, batch: list[Example], generator: torch.Genera
                options: TrainOptions) -> LossReport:
     """ar_weight * autoregressive loss + bd_weight * block-diffusion loss of a batch (one clean pass for both)."""
     if not options.bd_weight:
-        report = ar_loss(model, batch, options.weights)
+        report = ar_loss(model, batch, options.weights, window_tokens=options.window_tokens or None)
         report.loss = options.ar_weight * report.loss
         return report
     return diffusion_loss(model, batch, generator, eps=options.eps, copies=options.noise_copies,
@@ -514,6 +548,15 @@ def _recipe(phases: list[Phase]) -> list[dict]:
     return [{"name": p.name, "options": asdict(p.options)} for p in phases]
 
 
+def _as_now(saved: list[dict]) -> list[dict]:
+    """Saved phases with the TrainOptions fields added since the save at their defaults (each new field's default
+    trains as before it existed), so a run saved by an older version resumes."""
+    defaults = {f.name: asdict(f.default) if is_dataclass(f.default) else f.default  # type: ignore[arg-type]
+                for f in fields(TrainOptions) if f.default is not MISSING}
+    return [{**p, "options": {**{k: v for k, v in defaults.items() if k not in p["options"]}, **p["options"]}}
+            for p in saved]
+
+
 def _load_saved(saving: Saving | None, phases: list[Phase]) -> dict | None:
     if saving is None or not saving.path.exists():
         return None
@@ -522,7 +565,7 @@ def _load_saved(saving: Saving | None, phases: list[Phase]) -> dict | None:
     # the phases that shaped the saved weights (those before the saved one, and it) must be the same; phases not
     # started yet may differ (a longer or shorter last phase, decided at a phase boundary)
     shaped = saved["phase"] + 1
-    if len(phases) < shaped or saved["phases"][:shaped] != _recipe(phases)[:shaped]:
+    if len(phases) < shaped or _as_now(saved["phases"][:shaped]) != _recipe(phases)[:shaped]:
         raise ValueError(f"{saving.path} was saved by a run with other phases or options: "
                          f"{saved['phases'][:shaped]}")
     return saved

@@ -257,8 +257,8 @@ def test_train_demo_resumes_an_interrupted_run_to_the_same_weights(tmp_path, one
                     ar_warmup=1, long_warmup=1, bd_warmup=1)
     whole = train_demo(tmp_path / "whole", recipe, shape)
     assert [p["name"] for p in whole["phases"]] == ["autoregressive", "long documents", "block diffusion"]
-    steps = "--ar-steps 2 --long-steps 2 --bd-steps 2"
-    assert whole["command"] == f"clover-batch model train-demo --out {tmp_path / 'whole'} {steps}"
+    assert whole["command"] == ("no train-demo command: the recipe is the 'default' preset with other batch_size, "
+                                "ar_warmup, long_warmup, bd_warmup, tokenizer_docs")
 
     class Killed(Exception):
         pass
@@ -298,6 +298,11 @@ def test_train_demo_command_options_and_refusals(tmp_path):
     assert both.exit_code == 2 and "--ar-steps" in both.output
     nothing = runner.invoke(app, ["model", "train-demo", "--resume", str(tmp_path)])
     assert nothing.exit_code == 2 and "no unfinished training run" in nothing.output
+    assert "--recipe" in shown.output and "look-up" in shown.output
+    unknown = runner.invoke(app, ["model", "train-demo", "--out", str(tmp_path / "new"), "--recipe", "fast"])
+    assert unknown.exit_code == 2 and "'fast' is not a preset" in unknown.output and not (tmp_path / "new").exists()
+    extend = runner.invoke(app, ["model", "train-demo", "--resume", str(tmp_path), "--recipe", "look-up"])
+    assert extend.exit_code == 2 and "no unfinished training run" in extend.output
     (tmp_path / "config.json").write_text("{}")
     taken = runner.invoke(app, ["model", "train-demo", "--out", str(tmp_path)])
     assert taken.exit_code == 2 and "--overwrite" in taken.output
@@ -314,6 +319,7 @@ def test_long_documents_phase_draws_its_own_mostly_long_documents():
         BD_PHASE,
         LONG_PHASE,
         PHASE_DATA,
+        RECIPES,
         Recipe,
         phase_mix,
         phases,
@@ -331,6 +337,10 @@ def test_long_documents_phase_draws_its_own_mostly_long_documents():
     assert phase_mix(Recipe(), AR_PHASE) == Recipe() == phase_mix(Recipe(), BD_PHASE)
     assert train_command(Path("d"), Recipe(threads=1)) == "clover-batch model train-demo --out d"
     assert train_command(Path("d"), Recipe(long_steps=0)) == "clover-batch model train-demo --out d --long-steps 0"
+    look_up = dataclasses.replace(RECIPES["look-up"], bd_steps=500, save_every=10)
+    assert train_command(Path("d"), look_up) == "clover-batch model train-demo --out d --recipe look-up --bd-steps 500"
+    assert train_command(Path("d"), Recipe(copy_share=0.5)) == ("no train-demo command: the recipe is the 'default' "
+                                                               "preset with other copy_share")
 
     drawn: list[tuple[int, bool]] = []
 
@@ -338,7 +348,7 @@ def test_long_documents_phase_draws_its_own_mostly_long_documents():
         def example(self, doc, task):
             drawn.append((doc.seed, doc.extra["long"]))
 
-        def drill(self, drill):
+        def drill(self, drill, window=None):
             drawn.append((-1, False))
 
     def draw(recipe, phase, n=400):
@@ -392,6 +402,111 @@ def test_long_drills_lie_beyond_the_window_and_slow_heads_reach_every_phase(demo
     assert all(p.options.slow_heads == 2 and p.options.slow_dt == 1e-3
                for p in phases(Recipe(slow_heads=2, slow_dt=1e-3)))
     assert all(p.options.slow_heads == 0 for p in phases(base))
+
+
+def test_look_up_recipe_mixes_narrow_window_copy_drills_into_phase_1b_mix():
+    """The `look-up` preset: phase 1c between phase 1b and phase 2, drawing phase 1b's mix of mostly long documents,
+    15% long drills, and of the other pairs half short copy drills, which alone carry an 8-token attention window;
+    slow heads held in every phase. The default recipe has no such phase and no drill with a window of its own."""
+    from clover_batch.jobs.demo_model import (
+        AR_PHASE,
+        BD_PHASE,
+        LONG_PHASE,
+        LOOKUP_PHASE,
+        PHASE_DATA,
+        RECIPES,
+        Recipe,
+        phase_mix,
+        phases,
+        training_pairs,
+    )
+
+    assert RECIPES["default"] == Recipe() and [p.name for p in phases(Recipe())] == [AR_PHASE, LONG_PHASE, BD_PHASE]
+    recipe = RECIPES["look-up"]
+    plan = {p.name: p.options for p in phases(recipe)}
+    assert list(plan) == [AR_PHASE, LONG_PHASE, LOOKUP_PHASE, BD_PHASE]
+    assert plan[LOOKUP_PHASE].steps == recipe.lookup_steps > 0 and plan[LOOKUP_PHASE].lr == recipe.lookup_lr
+    assert plan[LOOKUP_PHASE].bd_weight == 0 and plan[LOOKUP_PHASE].window_tokens == 0
+    assert all(o.slow_heads == 2 for o in plan.values())
+
+    class Maker:  # names what the stream draws, and a drill's window, instead of tokenizing it
+        def example(self, doc, task):
+            return "long document" if doc.extra["long"] else "short document"
+
+        def drill(self, items, window=None):
+            return f"short drill at {window}"
+
+        def long_drill(self, seed):
+            return "long drill"
+
+    def kinds(recipe: Recipe, name: str, n: int = 400) -> dict[str, int]:
+        stream = training_pairs(Maker(), phase_mix(recipe, name), phase=PHASE_DATA[name])
+        counts: dict[str, int] = {}
+        for _ in range(n):
+            kind = next(stream)
+            counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+    mixed = kinds(recipe, LOOKUP_PHASE)
+    assert set(mixed) == {"long drill", "short drill at 8", "long document", "short document"}, mixed
+    assert 35 < mixed["long drill"] < 85 and 140 < mixed["short drill at 8"] < 200, mixed
+    assert mixed["long document"] > 1.5 * mixed["short document"], mixed
+    for name in (AR_PHASE, LONG_PHASE, BD_PHASE):  # every other phase's drills train at the phase's window
+        assert "short drill at 8" not in kinds(recipe, name, 200) and "short drill at None" in kinds(recipe, name, 200)
+
+
+def test_a_run_stopped_at_a_phase_end_goes_on_under_a_recipe_that_adds_phases(tmp_path, one_thread):
+    """train_demo(resume=True, extend=R): a run of a recipe without the look-up phases, stopped after phase 1b, goes
+    on under R (the same recipe with them) and writes exactly the checkpoint of a run of R from the start, with R
+    as its recipe and command; a recipe that changes what a finished phase read, or a run stopped inside a phase,
+    is refused with the reason."""
+    import torch
+    from clover_batch.jobs.demo_model import RESUME, Recipe, later_recipe, train_command, train_demo
+    from safetensors.torch import load_file
+
+    shape = DemoShape(vocab_size=384, hidden_size=32, attention_heads=2, kv_heads=1, head_dim=16, gdn_value_heads=2,
+                      gdn_key_heads=1, gdn_head_dim=16, experts=2, expert_width=16, shared_expert_width=16,
+                      window_tokens=64)
+    base = Recipe(ar_steps=2, long_steps=2, bd_steps=2, batch_size=2, save_every=1, threads=1, tokenizer_docs=40,
+                  ar_warmup=1, long_warmup=1, bd_warmup=1, slow_heads=1, long_drill_share=0.2)
+    wider = dataclasses.replace(base, lookup_steps=3, lookup_warmup=1, bd_steps=3)
+    whole = train_demo(tmp_path / "whole", wider, shape)
+    assert [p["name"] for p in whole["phases"]] == ["autoregressive", "long documents", "look-up", "block diffusion"]
+
+    class Killed(Exception):
+        pass
+
+    def kill_at(when: tuple[str, int]):
+        def on_log(phase: str, step: int, model, maker) -> None:
+            if (phase, step) == when:
+                raise Killed
+        return on_log
+
+    with pytest.raises(Killed):
+        train_demo(tmp_path / "cut", base, shape, on_log=kill_at(("long documents", 2)))
+    with pytest.raises(ValueError, match="copy_share"):
+        train_demo(tmp_path / "cut", resume=True, extend=dataclasses.replace(wider, copy_share=0.5))
+    with pytest.raises(ValueError, match="long_steps"):
+        train_demo(tmp_path / "cut", resume=True, extend=dataclasses.replace(wider, long_steps=3))
+    extended = train_demo(tmp_path / "cut", resume=True, extend=dataclasses.replace(wider, threads=2))
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [p["loss"] for p in extended["phases"]] == [p["loss"] for p in whole["phases"]]
+    assert extended["recipe"] == {**whole["recipe"], "threads": 2} and extended["extended"][0]["from"]["bd_steps"] == 2
+    assert extended["command"] == whole["command"] == train_command(tmp_path, wider)
+    assert whole["command"].startswith("no train-demo command") and "lookup_warmup" in whole["command"]
+    assert not (tmp_path / "cut" / RESUME).exists()
+
+    # what a finished phase read is not free: the look-up phase's learning rate once it has run
+    later_recipe(wider, dataclasses.replace(wider, lookup_lr=1e-2), ["autoregressive", "long documents"])
+    with pytest.raises(ValueError, match="lookup_lr"):
+        later_recipe(wider, dataclasses.replace(wider, lookup_lr=1e-2), ["autoregressive", "long documents", "look-up"])
+
+    with pytest.raises(Killed):  # a phase logs every 25 steps: killed at the log inside a 26-step phase 1b
+        train_demo(tmp_path / "inside", dataclasses.replace(base, long_steps=26), shape,
+                   on_log=kill_at(("long documents", 25)))
+    with pytest.raises(ValueError, match="inside its phase 'long documents' \\(step 25 of 26\\)"):
+        train_demo(tmp_path / "inside", resume=True, extend=dataclasses.replace(wider, long_steps=26))
 
 
 def test_tokenizer_gives_a_name_the_same_ids_in_the_document_and_in_the_answer():

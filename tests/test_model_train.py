@@ -5,6 +5,7 @@ resumed run ends where an uninterrupted one does."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -18,6 +19,7 @@ from clover_batch.model.train import (
     TokenWeights,
     TrainOptions,
     ar_loss,
+    batch_loss,
     batches_by_prefix,
     block_logits,
     diffusion_loss,
@@ -249,6 +251,57 @@ def test_ar_loss_and_gradients_equal_a_plain_computation(clover_small_window):
     assert (values[0] - values[1]) / (2 * h) == pytest.approx(norm, rel=0.02)
 
 
+def test_a_phase_window_is_the_attention_window_of_its_forwards(clover_small_window):
+    """TrainOptions.window_tokens: an autoregressive phase at a 4-token window computes the loss of forwards at that
+    window (the plain per-sequence loss with forward_train(window_tokens=4)), not the model's 24; the model's
+    config is untouched; Example.window_tokens sets one example's window beside others'; a block-diffusion phase or
+    loss with a window of its own, or a negative window, is refused."""
+    model = clover_small_window
+    examples, weights = _examples(2), TokenWeights(prompt=1.0, answer=3.0)
+    narrow = TrainOptions(steps=1, ar_weight=1.0, bd_weight=0.0, weights=weights, window_tokens=4)
+    with torch.no_grad():
+        ours = float(batch_loss(model, examples, torch.Generator(), narrow).loss)
+        full = float(batch_loss(model, examples, torch.Generator(),
+                                TrainOptions(steps=1, ar_weight=1.0, bd_weight=0.0, weights=weights)).loss)
+        total, norm = 0.0, 0.0
+        for ex in examples:
+            seq = ex.prompt + ex.answer
+            logits, _ = model.forward_train(torch.tensor([seq]), None, attention="causal", window_tokens=4)
+            logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+            for t in range(1, len(seq)):
+                w = weights.prompt if t < len(ex.prompt) else weights.answer
+                total -= w * float(logp[t - 1, seq[t]])
+                norm += w
+    assert full == pytest.approx(float(ar_loss(model, examples, weights).loss), rel=1e-6)
+    # random weights score every token alike, so the windows differ by little (sequences of up to 81 tokens), but
+    # by far more than the batched loss differs from the plain one at its own window
+    assert abs(ours - total / norm) < abs(ours - full) / 20
+    assert model.config.window_tokens == 24
+    # examples that carry their own window (Example.window_tokens) beside ones that do not, in one batch: each at
+    # its own, the phase's window for the rest, one weighted mean over all
+    mixed = [dataclasses.replace(ex, window_tokens=4) if i % 2 else ex for i, ex in enumerate(examples)]
+    with torch.no_grad():
+        ours = float(ar_loss(model, mixed, weights, window_tokens=9).loss)
+        total, norm = 0.0, 0.0
+        for ex in mixed:
+            seq = ex.prompt + ex.answer
+            logits, _ = model.forward_train(torch.tensor([seq]), None, attention="causal",
+                                            window_tokens=ex.window_tokens or 9)
+            logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+            for t in range(1, len(seq)):
+                w = weights.prompt if t < len(ex.prompt) else weights.answer
+                total -= w * float(logp[t - 1, seq[t]])
+                norm += w
+        at_9 = float(ar_loss(model, examples, weights, window_tokens=9).loss)
+    assert abs(ours - total / norm) < abs(ours - at_9) / 20
+    with pytest.raises(ValueError, match="trains autoregressively only"):
+        diffusion_loss(model, mixed, torch.Generator(), ar_weight=0.5)
+    with pytest.raises(ValueError, match="block-diffusion phase"):
+        TrainOptions(steps=1, window_tokens=4)
+    with pytest.raises(ValueError, match="window_tokens must be >= 0"):
+        TrainOptions(steps=1, ar_weight=1.0, bd_weight=0.0, window_tokens=-1)
+
+
 def test_ar_loss_weights_tokens_and_refuses_an_unshifted_model(tiny_small_window, clover_small_window):
     ids, targets, weight = next_token_targets([Example([5, 6, 7], [8, EOS])], TokenWeights(1.0, 3.0), 7, PAD)
     assert ids.tolist() == [[5, 6, 7, 8, EOS, PAD, PAD]]
@@ -433,6 +486,27 @@ def test_a_phase_not_started_may_change_on_resume(tmp_path, one_thread):
         model = load_model("tiny-clover", seed=0)
         train_phases(model, [Phase("ar", TrainOptions(steps=7, ar_weight=1.0, bd_weight=0.0)),
                              Phase("bd", TrainOptions(steps=6))], lambda k: iter(()), saving=saving)
+
+
+def test_a_run_saved_before_an_option_existed_resumes(tmp_path, one_thread):
+    """A state file whose phases lack an option added to TrainOptions since (window_tokens: a run saved by an older
+    version) resumes as if it had the option at its default, and ends as an uninterrupted run; one whose saved
+    option is not the default is refused."""
+    saving = Saving(tmp_path / "state.pt", every=100)
+    with pytest.raises(KeyboardInterrupt):
+        _phases_run(saving, ("bd", 1))
+    state = torch.load(saving.path, weights_only=True)
+    for phase in state["phases"]:
+        del phase["options"]["window_tokens"]
+    torch.save(state, saving.path)
+    resumed, logs = _phases_run(saving)
+    whole, whole_logs = _phases_run(None)
+    assert all(torch.equal(value, resumed[name]) for name, value in whole.items())
+    assert [lg.losses for lg in logs] == [lg.losses for lg in whole_logs]
+    state["phases"][0]["options"]["window_tokens"] = 8
+    torch.save(state, saving.path)
+    with pytest.raises(ValueError, match="other phases"):
+        _phases_run(saving)
 
 
 def test_slow_heads_are_set_at_a_phase_start_and_held_through_its_steps(tmp_path, one_thread):
