@@ -433,8 +433,7 @@ def later_recipe(saved: Recipe, recipe: Recipe, started: list[str]) -> None:
     end): it differs only in fields that no started phase reads, so the finished phases are those `recipe` would
     have trained, and the run ends with the weights a run of `recipe` from the start ends with. Raises ValueError
     naming the fields otherwise."""
-    read = set().union(*(f for name, f in PHASE_FIELDS.items() if name in started))
-    free = set(UNSHAPING_FIELDS).union(*(f for name, f in PHASE_FIELDS.items() if name not in started)) - read
+    free = set(UNSHAPING_FIELDS).union(*(f for name, f in PHASE_FIELDS.items() if name not in started))
     differ = [f.name for f in fields(Recipe) if getattr(saved, f.name) != getattr(recipe, f.name)]
     shaping = [name for name in differ if name not in free]
     if shaping:
