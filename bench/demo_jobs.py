@@ -14,7 +14,9 @@ checkpoint), reads their Parquet rows and scores them against each document's ta
   `Document.summary_facts`), each present verbatim in the output or not; and per document whether all its names,
   amounts and dates are there.
 
-Long documents (facts before a log longer than the attention window) are scored apart as well.
+Long documents (facts before a log longer than the attention window) are scored apart as well. And whether the rows
+say where they are unsure: of the wrong fields, how many the row lists in `uncertain_fields` (and of the right
+ones), and of the summaries missing a fact, how many have `uncertain_words` (and of those with every fact).
 """
 
 from __future__ import annotations
@@ -128,11 +130,16 @@ def main() -> None:
     facts: dict[str, list[int]] = {}
     facts_long = [0, 0]  # (present, total) over the long documents
     checked_ok, lines = 0, []
+    # (field or summary, right, flagged): fields in uncertain_fields or not, summaries with uncertain_words or not
+    flags: Counter = Counter()
     long_docs = sum(d.extra["long"] for d in docs.values())
     for name, doc in docs.items():
         got = field_matches(extractions[name]["output_text"] or "", doc)
         fields.update({k: int(v) for k, v in got.items()})
         (fields_long if doc.extra["long"] else fields_short).update({k: int(v) for k, v in got.items()})
+        if extractions[name]["field_confidence"] is not None:
+            unsure = set(extractions[name]["uncertain_fields"] or [])
+            flags.update(("field", ok, k in unsure) for k, ok in got.items())
         text = summaries[name]["output_text"] or ""
         present = facts_present(text, doc)
         for kind, (hit, total) in present.items():
@@ -144,6 +151,9 @@ def main() -> None:
                 facts_long[1] += total
         right = all(present[k][0] == present[k][1] for k in CHECKED if k in present)
         checked_ok += right
+        if summaries[name]["uncertain_words"] is not None:
+            every_fact = all(h == t for h, t in present.values())
+            flags.update([("summary", every_fact, bool(summaries[name]["uncertain_words"]))])
         missing = [f for kind, f in doc.summary_facts if f not in text]
         lines.append(f"{name}: {'names, amounts and dates right' if right else 'WRONG'}; fields "
                      f"{sum(got.values())}/{len(got)}; missing facts {missing}\n  ours:   {text}\n"
@@ -160,6 +170,16 @@ def main() -> None:
           + ", ".join(f"{k} {100 * fields[k] / n:.0f}%" for k in EXTRACT_FIELDS)
           + (f"; long documents {100 * sum(fields_long.values()) / (long_docs * len(EXTRACT_FIELDS)):.1f}%"
              if long_docs else ""))
+    for what, column, plural, ok_means in (("field", "uncertain_fields", "fields", "exact"),
+                                           ("summary", "uncertain_words", "summaries", "with every fact")):
+        wrong, right = (flags[what, False, True] + flags[what, False, False],
+                        flags[what, True, True] + flags[what, True, False])
+        kept = flags[what, True, False] + flags[what, False, False]
+        if wrong + right:
+            print(f"{column}: flags {flags[what, False, True]} of {wrong} {plural} not {ok_means} and "
+                  f"{flags[what, True, True]} of {right} {ok_means}; of the {plural} it does not flag "
+                  f"{100 * flags[what, True, False] / max(1, kept):.1f}% are {ok_means} ({flags[what, True, False]} "
+                  f"of {kept})")
     print(f"summary: {100 * hit_all / total_all:.1f}% of the target's facts present; "
           + ", ".join(f"{k} {100 * h / t:.0f}% of {t}" for k, (h, t) in sorted(facts.items()))
           + (f"; long documents {100 * facts_long[0] / facts_long[1]:.1f}%" if facts_long[1] else "")

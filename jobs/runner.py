@@ -292,7 +292,7 @@ def pipeline_options(spec: JobSpec, run_id: str) -> PipelineOptions:
         model=ModelRef(_absolute(spec.model.source) if os.path.isdir(spec.model.source) else spec.model.source,
                        spec.model.dtype, spec.model.storage_options, spec.model.cache_dir,
                        spec.model.expert_parallel, spec.model.overrides(), spec.model.enable_thinking),
-        task=TaskRef(task.kind, task.instruction, fields),
+        task=TaskRef(task.kind, task.instruction, fields, task.uncertain_below),
         decode=spec.decode.options(),
         job_name=spec.name,
         run_id=run_id,

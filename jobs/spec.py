@@ -273,6 +273,10 @@ class ExtractField(_Strict):
     required: bool = Field(default=True, description="Whether a missing value makes the row `invalid_output`.")
 
 
+def _uncertain_below(what: str):
+    return Field(default=0.5, ge=0.0, le=1.0, description=f"{what}; 0 lists none.")
+
+
 class SummarizeTask(_Strict):
     """`task.kind: summarize`: one summary per document, in `output_text`."""
 
@@ -282,6 +286,9 @@ class SummarizeTask(_Strict):
         min_length=1,
         description="Instruction placed before the document in the prompt.",
     )
+    uncertain_below: float = _uncertain_below(
+        "A word of the summary whose least likely token had a lower probability under the model is listed in the "
+        "row's `uncertain_words`")
 
 
 class ExtractTask(_Strict):
@@ -298,6 +305,9 @@ class ExtractTask(_Strict):
         description="Fields to extract: name -> type and "
         "description. The answer must be one JSON object with these keys.",
     )
+    uncertain_below: float = _uncertain_below(
+        "A field whose value's least likely token had a lower probability under the model is listed in the row's "
+        "`uncertain_fields` (each field's probability is in `field_confidence`)")
 
     @model_validator(mode="after")
     def _field_names(self) -> ExtractTask:

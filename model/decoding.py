@@ -122,6 +122,7 @@ class Autoregressive(Decoding):
             live.next_token = t
             if t not in self.stops:
                 live.logprob += lp
+                live.logprobs.append(lp)
                 live.scored += 1
             if self._emit(live, [t]):
                 done.append(live)
@@ -191,6 +192,7 @@ class Diffusion(Decoding):
                                       preview=True)
         self.stats.forwards += 1
         row_logprob = torch.zeros(n, dtype=torch.float64, device=dev)  # this step's scores of committed blocks
+        position_logprob = torch.zeros(n, bs, dtype=torch.float64, device=dev)  # and of each of their positions
         if commit:
             if d.logits_shift:
                 committed = block.index_select(0, commit_idx)  # [c, bs] the blocks as committed
@@ -200,6 +202,7 @@ class Diffusion(Decoding):
                 lp = torch.log_softmax(predict, dim=-1).gather(2, committed[..., None])[..., 0]  # [c, bs]
                 inside = (self._positions >= scored[:, :1]) & (self._positions < scored[:, 1:])
                 row_logprob.index_copy_(0, commit_idx, (lp * inside).sum(1).double())
+                position_logprob.index_copy_(0, commit_idx, (lp * inside).double())
                 # the next block's first position is predicted from this block's last
                 self.logits.index_copy_(0, commit_idx, logits.index_select(0, commit_idx)[:, bs - 1].float())
             block.index_fill_(0, commit_idx, d.mask_token_id)  # a fresh block of masks
@@ -225,10 +228,11 @@ class Diffusion(Decoding):
                 self.counts[:n].scatter_add_(1, torch.where(chosen, tok, 0), chosen.float())
             still = (block == d.mask_token_id) & (self._positions < limit[:, None])
             # the one host sync; float64 holds every token id exactly
-            readback = torch.cat([block.double(), still.any(-1, keepdim=True).double(), row_logprob[:, None]],
-                                 dim=1).tolist()
+            readback = torch.cat([block.double(), still.any(-1, keepdim=True).double(), row_logprob[:, None],
+                                  position_logprob], dim=1).tolist()
         else:
-            readback = [[0.0] * (bs + 1) + [lp] for lp in row_logprob.tolist()]  # scores only (one sync)
+            readback = [[0.0] * (bs + 1) + row  # scores only (one sync)
+                        for row in torch.cat([row_logprob[:, None], position_logprob], dim=1).tolist()]
         done: list[Sequence] = []
         for i, live in enumerate(lives):
             live.forwards += 1
@@ -239,6 +243,7 @@ class Diffusion(Decoding):
                 self._slide(live)
                 if self.shifted:
                     live.logprob += readback[i][bs + 1]
+                    live.logprobs.extend(readback[i][bs + 2 + live.tail:bs + 2 + live.score_to])
                     live.scored += live.score_to - live.tail
                 live.tail = 0
                 if live.finishing:

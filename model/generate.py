@@ -169,11 +169,13 @@ def generate_nocache(model: CloverModel, prompt: list[int], options: DecodeOptio
                     stopped = "length" if len(out) >= opt.max_new_tokens else ""
                 committed += block
                 block, tail = [mask] * bs, 0
-        mean_logprob = trunk_mean_logprob(model, prompt, out, window) if _scores(opt, cfg) and out else None
+        token_logprobs = trunk_logprobs(model, prompt, out, window) if _scores(opt, cfg) and out else None
+    mean_logprob = sum(token_logprobs) / len(token_logprobs) if token_logprobs else None
     accepted = sum(a for a, _ in blocks) if opt.mode == "verified" else 0
     return Generation(tokens=out, forward_passes=forwards, denoising_steps=steps, prompt_tokens=len(prompt),
                       prefill_seconds=0.0, decode_seconds=0.0, windows=math.ceil(len(prompt) / window),
-                      stopped=stopped, mean_logprob=mean_logprob, verified_blocks=len(blocks) if blocks else 0,
+                      stopped=stopped, mean_logprob=mean_logprob, token_logprobs=token_logprobs,
+                      verified_blocks=len(blocks) if blocks else 0,
                       accepted_tokens=accepted, full_blocks=sum(full for _, full in blocks) if blocks else 0)
 
 
@@ -275,10 +277,10 @@ def _scores(options: DecodeOptions, config) -> bool:
     return not options.diffusion(config) or bool(config.diffusion.logits_shift)
 
 
-def trunk_mean_logprob(model: CloverModel, prompt: list[int], tokens: list[int], window: int | None = None) -> float:
-    """Mean log-probability of `tokens` after `prompt` under the model's causal trunk, in one forward."""
+def trunk_logprobs(model: CloverModel, prompt: list[int], tokens: list[int], window: int | None = None) -> list[float]:
+    """Each of `tokens`' log-probability after `prompt` under the model's causal trunk, in one forward."""
     ids = torch.tensor([list(prompt) + list(tokens)], device=model.device)
     with torch.inference_mode():
         logits, _ = model(ids, None, attention="causal", window_tokens=window)
     lp = torch.log_softmax(logits[0, len(prompt) - 1:-1].float(), dim=-1)
-    return float(lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).mean())
+    return lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].double().tolist()

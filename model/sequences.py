@@ -44,6 +44,9 @@ class Generation:
     # logits do not score the next token, or no tokens): measured, not a sampling score; a wrong preview operator
     # writes tokens the exact trunk finds improbable
     mean_logprob: float | None = None
+    # each of `tokens`' log-probability under the causal trunk, when mean_logprob is given (its mean): where the
+    # model was unsure (pipeline.postprocess.field_confidence reads an extraction's fields from it)
+    token_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -97,6 +100,7 @@ class Sequence:
     stopped: str = ""
     decode_batch: int = 0
     logprob: float = 0.0  # summed log-probabilities of the generated tokens scored so far
+    logprobs: list[float] = field(default_factory=list)  # each scored token's, in order
     scored: int = 0  # generated tokens scored so far
     score_to: int = 0  # diffusion: the block's generated tokens lie in [tail, score_to) (scored at its commit)
     finishing: bool = False  # diffusion, shifted: done; its last block is committed once more to be scored
@@ -108,7 +112,8 @@ class Sequence:
             prefill_seconds=self.prefill_s, decode_seconds=self.decode_s, windows=math.ceil(n / window),
             stopped=self.stopped, decode_batch=self.decode_batch, decode_forwards=self.decode_forwards,
             verified_blocks=self.blocks, accepted_tokens=self.accepted, full_blocks=self.full_blocks,
-            mean_logprob=self.logprob / self.scored if shifted and self.scored else None)
+            mean_logprob=self.logprob / self.scored if shifted and self.scored else None,
+            token_logprobs=list(self.logprobs) if shifted and self.scored else None)
 
 
 def seed_for(base: int, request_id: str) -> int:

@@ -165,6 +165,7 @@ class Verified(Decoding):
             finished = self._emit(live, tokens)
             kept_out = len(live.out) - before
             live.logprob += sum(row[bs + live.known:bs + live.known + kept_out])
+            live.logprobs.extend(row[bs + live.known:bs + live.known + kept_out])
             live.scored += kept_out
             live.known = v
             if finished:

@@ -1,9 +1,12 @@
-"""Postprocessing of answers: extraction answers are parsed as JSON and checked against the job's fields."""
+"""Postprocessing of answers: extraction answers are parsed as JSON and checked against the job's fields, and each
+field's value gets the model's confidence in it (the probability of its least likely token under the trunk)."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,16 +60,117 @@ def strip_thinking(text: str) -> str:
     return text.strip()
 
 
+_FENCE = re.compile(r"```(?:json)?")
+
+
 def _first_json_object(text: str) -> Any:
-    text = re.sub(r"```(?:json)?", "", text)
+    return _find_json_object(_FENCE.sub("", text))[0]
+
+
+def _find_json_object(text: str) -> tuple[Any, int, int]:
+    """The first `{` of `text` that starts a whole JSON object: (value, start, end)."""
     decoder = json.JSONDecoder()
     for match in re.finditer(r"\{", text):
         try:
-            value, _ = decoder.raw_decode(text, match.start())
-            return value
+            value, end = decoder.raw_decode(text, match.start())
+            return value, match.start(), end
         except (json.JSONDecodeError, RecursionError):  # RecursionError: a degenerate answer nesting "[[[[..."
             continue
     raise ValueError("the answer contains no JSON object")
+
+
+def field_spans(answer: str) -> dict[str, tuple[int, int]]:
+    """Character spans [start, end) in `answer` of the top-level values of the JSON object check_extraction reads
+    (the first whole one, code fences aside); {} when there is none. A key given twice: its last value, as JSON."""
+    keep = [i for i in range(len(answer))]  # cleaned position -> position in the answer
+    for m in reversed(list(_FENCE.finditer(answer))):
+        del keep[m.start():m.end()]
+    text = "".join(answer[i] for i in keep)
+    try:
+        _, start, end = _find_json_object(text)
+    except ValueError:
+        return {}
+    decoder, spans, pos = json.JSONDecoder(), {}, start + 1
+    ws = re.compile(r"\s*")
+    while True:  # the object decoded whole, so its members are well formed
+        pos = ws.match(text, pos).end()  # type: ignore[union-attr]
+        if text[pos] == "}":
+            break
+        key, pos = decoder.raw_decode(text, pos)
+        pos = ws.match(text, pos).end() + 1  # type: ignore[union-attr]  # past ':'
+        pos = ws.match(text, pos).end()  # type: ignore[union-attr]
+        _, value_end = decoder.raw_decode(text, pos)
+        spans[key] = (keep[pos], keep[value_end - 1] + 1)
+        pos = ws.match(text, value_end).end()  # type: ignore[union-attr]
+        if text[pos] == ",":
+            pos += 1
+    assert pos < end
+    return spans
+
+
+def token_ends(decode: Callable[[list[int]], str], tokens: list[int]) -> list[int]:
+    """Where each token's text ends in decode(tokens): the length of the decoded prefix through it (never less
+    than the token before's: a token that ends inside a character has the character's end once it is whole)."""
+    ends, last = [], 0
+    for j in range(len(tokens)):
+        last = max(last, len(decode(tokens[:j + 1])))
+        ends.append(last)
+    return ends
+
+
+def _least(ends: list[int], logprobs: list[float], start: int, end: int) -> float | None:
+    """The lowest log-probability among the tokens whose text overlaps characters [start, end)."""
+    least = None
+    for j, lp in enumerate(logprobs):
+        # token j covers [ends[j-1], ends[j]); one that adds no character counts with the character it completes
+        lo = ends[j - 1] if j else 0
+        if ends[j] == lo:
+            lo -= 1
+        if lo < end and ends[j] > start and (least is None or lp < least):
+            least = lp
+    return least
+
+
+def field_confidence(text: str, answer: str, tokens: list[int], logprobs: list[float],
+                     decode: Callable[[list[int]], str], names: list[str]) -> dict[str, float] | None:
+    """Each of `names` the answer gives: the probability under the model of the least likely token of its value
+    (the tokens whose text overlaps the value's characters), rounded to 4 places.
+
+    text: decode(tokens), the whole output; answer: what check_extraction read (text with the reasoning
+    stripped), which must lie whole in `text`. None when it does not (reasoning inside the answer) or when the
+    logprobs are not one per token."""
+    at = text.rfind(answer)
+    if len(logprobs) != len(tokens) or at < 0:
+        return None
+    ends = token_ends(decode, tokens)
+    out = {}
+    for name, (start, end) in field_spans(answer).items():
+        least = _least(ends, logprobs, at + start, at + end) if name in names else None
+        if least is not None:
+            out[name] = round(math.exp(least), 4)
+    return out
+
+
+_WORD = re.compile(r"\S+")
+_EDGE = "\"'.,;:!?()[]{}"
+
+
+def uncertain_words(text: str, answer: str, tokens: list[int], logprobs: list[float],
+                    decode: Callable[[list[int]], str], below: float) -> list[str] | None:
+    """The words of `answer` (runs of non-space, their edge punctuation stripped) whose least likely token had a
+    probability under the model below `below`, in order. text, answer: as field_confidence; None where it gives
+    None."""
+    at = text.rfind(answer)
+    if len(logprobs) != len(tokens) or at < 0:
+        return None
+    ends = token_ends(decode, tokens)
+    out = []
+    for m in _WORD.finditer(answer):
+        least = _least(ends, logprobs, at + m.start(), at + m.end())
+        word = m.group().strip(_EDGE)
+        if word and least is not None and math.exp(least) < below:
+            out.append(word)
+    return out
 
 
 def check_extraction(answer: str, fields: list[FieldRule]) -> Extraction:

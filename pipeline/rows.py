@@ -47,6 +47,14 @@ OUTPUT_SCHEMA = pa.schema(
         ("input_tokens", pa.int64()),
         ("output_tokens", pa.int64()),
         ("mean_logprob", pa.float64()),  # mean log-probability of the output tokens under the model's causal trunk
+        ("min_logprob", pa.float64()),  # the least likely output token's log-probability under the trunk
+        # extract: each field's confidence, the probability of its value's least likely token under the trunk (a
+        # JSON object, field -> probability), and the fields below task.uncertain_below; null where the model's
+        # causal logits do not score its outputs (mean_logprob null) or the answer was refused
+        ("field_confidence", pa.string()),
+        ("uncertain_fields", pa.list_(pa.string())),
+        # summarize: the words of output_text whose least likely token is below task.uncertain_below, in order
+        ("uncertain_words", pa.list_(pa.string())),
         ("windows", pa.int32()),  # attention windows the prompt spanned
         ("forward_passes", pa.int64()),
         ("denoising_steps", pa.int64()),
@@ -72,6 +80,7 @@ WORK_SCHEMA = pa.schema(
         pa.field("text", pa.large_string()),  # parsed text, parse -> tokenize
         pa.field("prompt_ids", pa.list_(pa.int32())),  # tokenize -> infer
         pa.field("output_ids", pa.list_(pa.int32())),  # infer -> postprocess
+        pa.field("output_logprobs", pa.list_(pa.float64())),  # infer -> postprocess: each output token's (trunk)
         pa.field("decode_batch", pa.int32()),  # infer -> stats: most documents decoded together with this one
         pa.field("kernels", pa.string()),  # infer -> stats: the kernels its replica ran (for the run report)
         pa.field("verified_blocks", pa.int64()),  # infer -> stats: verified drafts checked, tokens they verified,

@@ -12,6 +12,7 @@ document where one document may take long (read, parse), per batch elsewhere.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,14 @@ from clover_batch.connectors.faults import document_fault, fault_point
 from clover_batch.connectors.fs import Location, read_bytes
 from clover_batch.connectors.sink import stage_replacement, write_part
 from clover_batch.pipeline.page_ranges import PAGES_PER_TASK, parse_document
-from clover_batch.pipeline.postprocess import FieldRule, check_extraction, extraction_instruction, strip_thinking
+from clover_batch.pipeline.postprocess import (
+    FieldRule,
+    check_extraction,
+    extraction_instruction,
+    field_confidence,
+    strip_thinking,
+    uncertain_words,
+)
 from clover_batch.pipeline.progress import NO_PROGRESS, REPLICA_LOAD, ProgressNote
 from clover_batch.pipeline.rows import (
     OUTPUT_SCHEMA,
@@ -67,6 +75,9 @@ class TaskRef:
     kind: str  # summarize | extract
     instruction: str
     fields: tuple[FieldRule, ...] = ()  # extract only
+    # a field (extract) or a word (summarize) whose least likely token is less likely than this is listed in the
+    # row's uncertain_fields or uncertain_words
+    uncertain_below: float = 0.5
 
     def prompt_instruction(self) -> str:
         return (
@@ -350,6 +361,7 @@ class InferStage:
                     output_ids=list(gen.tokens),
                     output_tokens=len(gen.tokens),
                     mean_logprob=gen.mean_logprob,
+                    output_logprobs=gen.token_logprobs,
                     windows=gen.windows,
                     forward_passes=gen.forward_passes,
                     denoising_steps=gen.denoising_steps,
@@ -395,15 +407,33 @@ class PostprocessStage:
             if not _ok(row):
                 continue
             with guarded(row, "postprocess"), timed(row, "postprocess"):
-                row["output_text"] = strip_thinking(self._builder.decode(row["output_ids"] or []))
-                row["output_ids"] = None
+                ids, logprobs = row["output_ids"] or [], row["output_logprobs"]
+                text = self._builder.decode(ids)
+                row["output_text"] = strip_thinking(text)
+                row.update(output_ids=None, output_logprobs=None, min_logprob=min(logprobs) if logprobs else None)
                 if self.task.kind == "extract":
                     checked = check_extraction(row["output_text"], list(self.task.fields))
                     row["output_json"] = checked.output_json
                     if checked.error:
                         row.update(status="invalid_output", error=f"extraction answer refused: {checked.error}")
+                    elif logprobs:
+                        self._confidence(row, text, ids, logprobs)
+                elif logprobs:
+                    row["uncertain_words"] = uncertain_words(text, row["output_text"], ids, logprobs,
+                                                             self._builder.decode, self.task.uncertain_below)
         self.progress("postprocess")
         return to_table(rows)
+
+    def _confidence(self, row: dict[str, Any], text: str, ids: list[int], logprobs: list[float]) -> None:
+        """field_confidence (each field's least likely token's probability) and uncertain_fields (those below
+        task.uncertain_below), from the trunk's log-probabilities of the output tokens."""
+        assert self._builder is not None
+        names = [f.name for f in self.task.fields]
+        confidence = field_confidence(text, row["output_text"], ids, logprobs, self._builder.decode, names)
+        if confidence is None:
+            return
+        row["field_confidence"] = json.dumps(confidence, sort_keys=True)
+        row["uncertain_fields"] = [n for n in names if n in confidence and confidence[n] < self.task.uncertain_below]
 
 
 class WriteStage:

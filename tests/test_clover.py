@@ -160,10 +160,11 @@ def test_autoregressive_mode_runs_the_trunk_exactly_as_transformers(clover_dir):
                            pad_token_id=0)
         expected = out[0, len(prompt):].tolist()
         logits = ref(input_ids=out).logits[0, len(prompt) - 1:-1].float()
-    trunk = torch.log_softmax(logits, -1).gather(1, torch.tensor(expected)[:, None]).mean()
+    each = torch.log_softmax(logits, -1).gather(1, torch.tensor(expected)[:, None])[:, 0]
     got = generate(ours, [prompt], max_new_tokens=14, mode="autoregressive", stop_token_ids=[])[0]
     assert got.tokens == expected
-    assert got.mean_logprob == pytest.approx(float(trunk), abs=1e-4)
+    assert got.mean_logprob == pytest.approx(float(each.mean()), abs=1e-4)
+    assert got.token_logprobs == pytest.approx(each.tolist(), abs=1e-4)
 
 
 def test_prefill_and_commits_are_the_causal_trunk(clover_dir):

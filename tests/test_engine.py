@@ -102,8 +102,12 @@ def test_engine_equals_the_nocache_reference_with_a_small_window(models, mode):
         assert gen.tokens == ref.tokens, key
         if name == "tiny-clover":
             assert gen.mean_logprob == pytest.approx(ref.mean_logprob, abs=2e-5), key
+            # each token's own, one per generated token: the engine's from its commits or decode logits
+            assert len(gen.token_logprobs) == len(gen.tokens), key
+            assert gen.token_logprobs == pytest.approx(ref.token_logprobs, abs=1e-4), key
         else:
             assert gen.mean_logprob is None and ref.mean_logprob is None
+            assert gen.token_logprobs is None and ref.token_logprobs is None
 
 
 def test_more_requests_than_slots_reuse_slots_cleanly(models):

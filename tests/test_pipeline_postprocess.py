@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
-from clover_batch.pipeline.postprocess import FieldRule, check_extraction, extraction_instruction, strip_thinking
+from clover_batch.pipeline.postprocess import (
+    FieldRule,
+    check_extraction,
+    extraction_instruction,
+    field_confidence,
+    field_spans,
+    strip_thinking,
+    token_ends,
+    uncertain_words,
+)
 
 FIELDS = [
     FieldRule("title", "string", "the title"),
@@ -89,3 +99,89 @@ def test_extraction_reads_the_answer_after_the_thinking():
     fields = [FieldRule("total", "integer")]
     answer = strip_thinking('<think>\nmaybe {"total": 9}?\n</think>\n{"total": 5}')
     assert check_extraction(answer, fields).output_json == '{"total": 5}'
+
+
+# ---- field confidence ---------------------------------------------------------------------------------------------
+
+
+def _spans_text(answer: str) -> dict[str, str]:
+    return {k: answer[s:e] for k, (s, e) in field_spans(answer).items()}
+
+
+def test_field_spans_are_the_values_check_extraction_reads():
+    answer = 'Sure!\n```json\n{"title": "Lease, \\"B\\"", "amount" : 4200.5,"signed":true, "parties": ["A", "B"]}\n```'
+    assert _spans_text(answer) == {"title": '"Lease, \\"B\\""', "amount": "4200.5", "signed": "true",
+                                   "parties": '["A", "B"]'}
+    # the first whole object, as check_extraction: a broken one before it is skipped; a key given twice: the last
+    assert _spans_text('{"title": oops} then {"title": "x", "n": {"a": [1, 2]}, "title": null}') == \
+        {"title": "null", "n": '{"a": [1, 2]}'}
+    # a code fence inside a value: the span is the value's place in the answer itself
+    answer = '{"title": "a```b", "amount": 1}'
+    assert json.loads(check_extraction(answer, FIELDS[:2]).output_json)["title"] == "ab"
+    assert _spans_text(answer) == {"title": '"a```b"', "amount": "1"}
+    assert field_spans("no object here") == {}
+
+
+@pytest.fixture(scope="module")
+def demo_builder():
+    from clover_batch.jobs.demo_model import DEMO_DIR
+    from clover_batch.pipeline.tokenizer import PromptBuilder
+
+    return PromptBuilder(str(DEMO_DIR))
+
+
+def test_field_confidence_is_the_least_likely_token_of_each_value(demo_builder):
+    """With the demo checkpoint's tokenizer: each field gets exp of the lowest log-probability among the tokens
+    whose text overlaps its value, whatever the reasoning before the answer; a field the answer lacks gets none."""
+    answer = '{"document_type": "invoice", "parties": ["Stonebridge Textiles SRL", "Silverline Energy AG"], ' \
+             '"amount_eur": 90940}'
+    text = "<think>the buyer is Silverline</think>\n" + answer
+    ids = demo_builder.encode(text, specials=False)
+    assert demo_builder.decode(ids) == text
+    ends = token_ends(demo_builder.decode, ids)
+    assert ends[-1] == len(text) and ends == sorted(ends)
+    want = {}
+    for name, (s, e) in field_spans(answer).items():
+        at = len(text) - len(answer)
+        want[name] = [j for j in range(len(ids)) if (ends[j - 1] if j else 0) < at + e and ends[j] > at + s]
+    assert "".join(demo_builder.decode([ids[j]]) for j in want["amount_eur"]).strip() == "90940"
+    names = ["document_type", "date", "parties", "amount_eur"]
+    # every token at -0.01, but one token of each field lower, each its own value
+    for low, field in ((-3.0, "parties"), (-0.5, "amount_eur"), (-2.0, "document_type")):
+        logprobs = [-0.01] * len(ids)
+        logprobs[want[field][len(want[field]) // 2]] = low
+        got = field_confidence(text, strip_thinking(text), ids, logprobs, demo_builder.decode, names)
+        assert set(got) == {"document_type", "parties", "amount_eur"}  # no "date" in the answer
+        for name in got:
+            assert got[name] == pytest.approx(math.exp(low if name == field else -0.01), abs=1e-4), (field, name)
+    # a token of the reasoning or of a key counts for no field
+    logprobs = [-0.01] * len(ids)
+    logprobs[0] = logprobs[1] = -5.0  # "<think>"
+    key = next(j for j in range(len(ids)) if j not in {i for v in want.values() for i in v}
+                 and ends[j] > len(text) - len(answer) + 1)
+    logprobs[key] = -5.0
+    got = field_confidence(text, strip_thinking(text), ids, logprobs, demo_builder.decode, names)
+    assert min(got.values()) == pytest.approx(math.exp(-0.01), abs=1e-4)
+    # logprobs that are not one per token, or an answer not found whole in the output: no confidence
+    assert field_confidence(text, strip_thinking(text), ids, logprobs[:-1], demo_builder.decode, names) is None
+    assert field_confidence(text, '{"amount_eur": 1}', ids, logprobs, demo_builder.decode, names) is None
+
+
+def test_uncertain_words_are_the_words_with_an_unlikely_token(demo_builder):
+    summary = "Invoice INV-1349 from Stonebridge Textiles SRL to Silverline Textiles SRL for 90,940 EUR is due."
+    text = "<think>the buyer</think>\n" + summary
+    ids = demo_builder.encode(text, specials=False)
+    assert demo_builder.decode(ids) == text
+    ends = token_ends(demo_builder.decode, ids)
+    at = len(text) - len(summary)
+    second = summary.index("Textiles", summary.index("Silverline"))  # the buyer's second word, the invented one
+    logprobs = [-0.01] * len(ids)
+    hit = next(j for j in range(len(ids)) if ends[j] > at + second + 2)  # a token inside that word
+    logprobs[hit] = math.log(0.3)
+    logprobs[0] = math.log(0.01)  # the reasoning is not the answer
+    logprobs[-1] = math.log(0.2)  # the final "due." token: the word without its period
+    got = uncertain_words(text, strip_thinking(text), ids, logprobs, demo_builder.decode, 0.5)
+    assert got == ["Textiles", "due"]
+    assert uncertain_words(text, strip_thinking(text), ids, logprobs, demo_builder.decode, 0.25) == ["due"]
+    assert uncertain_words(text, strip_thinking(text), ids, logprobs, demo_builder.decode, 0.0) == []
+    assert uncertain_words(text, strip_thinking(text), ids, logprobs[1:], demo_builder.decode, 0.5) is None

@@ -7,6 +7,8 @@ through the CLI, the run's own local Ray, sized by Ray from the machine.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -171,6 +173,18 @@ def test_the_example_jobs_complete_on_the_machines_cpus(ray_session, tmp_path, m
     if expert_parallel == 2 and SESSION_CPUS == 2:
         assert report.resources["fitted"] == ["expert rank CPU share 1 -> 0.5"]
     assert report.stall is None
+    if job == "extract-local":  # each field's confidence: its value's least likely token's probability (the trunk's)
+        for r in rows:
+            confidence = json.loads(r["field_confidence"])
+            assert r["status"] == "ok" and set(confidence) == set(spec.task.fields), r
+            assert r["uncertain_fields"] == [n for n in spec.task.fields if confidence[n] < spec.task.uncertain_below]
+            assert all(math.exp(r["min_logprob"]) - 1e-4 <= p <= 1 for p in confidence.values()), r
+            assert r["min_logprob"] <= r["mean_logprob"] < 0 and r["uncertain_words"] is None
+    else:  # a summary's words whose least likely token is below task.uncertain_below
+        for r in rows:
+            assert r["status"] == "ok" and r["field_confidence"] is None and r["uncertain_words"] is not None, r
+            assert all(w in r["output_text"] for w in r["uncertain_words"]), r
+            assert not r["uncertain_words"] or math.exp(r["min_logprob"]) < spec.task.uncertain_below, r
 
 
 @requires_engine

@@ -72,6 +72,7 @@ def test_verified_equals_autoregressive_with_staggered_arrivals(models, case):
         assert gen.tokens == ar[key].tokens, key
         assert gen.stopped == ar[key].stopped == "length", key
         assert gen.mean_logprob == pytest.approx(ar[key].mean_logprob, abs=2e-5), key
+        assert gen.token_logprobs == pytest.approx(ar[key].token_logprobs, abs=1e-4), key
         assert gen.verified_blocks >= 1 and gen.verified_blocks <= gen.accepted_tokens <= len(gen.tokens)
     assert _rejections(got.values()) > 0
     # statistics: a block per row per step; the engine's forwards are its steps' previews, checks and commits
