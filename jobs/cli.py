@@ -327,9 +327,12 @@ def show(
         counts.add_row(status, str(n))
     console.print(counts)
     rows = Table(title="sample rows", show_lines=True)
-    for col in ("source_uri", "status", "pages", "in", "out", "output / error"):
+    # the fields (extract) or words (summarize) whose least likely token was below task.uncertain_below
+    unsure = [", ".join(r.get("uncertain_fields") or r.get("uncertain_words") or []) for r in summary.samples]
+    doubts_column = ["unsure of"] if any(unsure) else []
+    for col in ("source_uri", "status", "pages", "in", "out", "output / error", *doubts_column):
         rows.add_column(col, overflow="fold")
-    for r in summary.samples:
+    for r, doubts in zip(summary.samples, unsure, strict=True):
         text = r["output_text"] if r["status"] == "ok" else r["error"]
         rows.add_row(
             r["source_uri"],
@@ -338,6 +341,7 @@ def show(
             str(r["input_tokens"] or ""),
             str(r["output_tokens"] or ""),
             (text or "")[:200],
+            *([doubts] if doubts_column else []),
         )
     console.print(rows)
 

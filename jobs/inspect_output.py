@@ -12,7 +12,10 @@ from clover_batch.connectors.iceberg import read_description, read_table_rows, t
 from clover_batch.connectors.sink import committed_parts, read_output
 
 SAMPLE_COLUMNS = ["doc_id", "source_uri", "format", "status", "error", "input_tokens", "output_tokens", "output_text",
-                  "page_sources"]
+                  "page_sources", "uncertain_fields", "uncertain_words"]
+# the sample columns an output written by an older version has: before rows said where they were unsure, and
+# before they had page_sources
+OLDER_COLUMNS = [SAMPLE_COLUMNS[:-2], SAMPLE_COLUMNS[:-3]]
 
 
 @dataclass(frozen=True)
@@ -31,14 +34,19 @@ def summarize_output(location: Location, samples: int = 2, catalog: dict[str, An
     target = read_description(location, catalog)
     if target is not None:
         uri = f"{location.uri} (Iceberg table {target.table})"
-        table = read_table_rows(target, SAMPLE_COLUMNS)
+        loaded = target.load()
+        fields = {f.name for f in loaded.schema().fields} if loaded is not None else set()
+        table = read_table_rows(target, next((c for c in (SAMPLE_COLUMNS, *OLDER_COLUMNS) if set(c) <= fields),
+                                             SAMPLE_COLUMNS))
         files = table_stats(target)["data_files"] if table is not None else 0
     else:
         uri = location.uri
-        try:
-            table = read_output(location, columns=SAMPLE_COLUMNS)
-        except KeyError:  # an output folder written before rows had page_sources
-            table = read_output(location, columns=SAMPLE_COLUMNS[:-1])
+        for columns in (SAMPLE_COLUMNS, *OLDER_COLUMNS):
+            try:
+                table = read_output(location, columns=columns)
+                break
+            except KeyError:  # an output folder written by an older version: its first part lacks a column
+                continue
         files = len(committed_parts(location)) if table is not None else 0
     if table is None:
         return OutputSummary(uri, 0, 0, {}, [], "parquet" if target is None else "iceberg")

@@ -92,3 +92,25 @@ def test_show_prints_how_each_documents_pages_were_parsed(tmp_path):
     result = CliRunner().invoke(app, ["show", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "1950 markdown, 25 ocr, 25" in result.output and "plain_fallback" in result.output
+
+
+def test_show_prints_what_each_row_was_unsure_of_and_reads_older_outputs(tmp_path):
+    """The sample rows' uncertain fields or words; an output written before rows had them (or page_sources) is
+    shown all the same."""
+    rows = [{"doc_id": "1", "source_uri": "a.txt", "status": "ok", "output_text": '{"date": "2026-08-23"}',
+             "uncertain_fields": ["date", "parties"]},
+            {"doc_id": "2", "source_uri": "b.txt", "status": "ok", "output_text": "A fire at the Utrecht depot.",
+             "uncertain_words": ["fire", "Utrecht"]}]
+    with OutputLock(Location(str(tmp_path / "new")), "r1"):
+        write_part(Location(str(tmp_path / "new")), pa.Table.from_pylist(rows, OUTPUT_SCHEMA), "r1")
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["show", str(tmp_path / "new")])
+    assert result.exit_code == 0, result.output
+    assert "date, parties" in result.output and "fire, Utrecht" in result.output and "unsure of" in result.output
+    for dropped in (["uncertain_fields", "uncertain_words"], ["uncertain_fields", "uncertain_words", "page_sources"]):
+        old = pa.Table.from_pylist(rows[1:], OUTPUT_SCHEMA).drop_columns(dropped)
+        folder = Location(str(tmp_path / f"old{len(dropped)}"))
+        with OutputLock(folder, "r1"):
+            write_part(folder, old, "r1")
+        result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["show", folder.uri])
+        assert result.exit_code == 0, result.output
+        assert "A fire at the Utrecht depot." in result.output and "Utrecht," not in result.output
