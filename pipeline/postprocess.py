@@ -82,7 +82,7 @@ def _find_json_object(text: str) -> tuple[Any, int, int]:
 def field_spans(answer: str) -> dict[str, tuple[int, int]]:
     """Character spans [start, end) in `answer` of the top-level values of the JSON object check_extraction reads
     (the first whole one, code fences aside); {} when there is none. A key given twice: its last value, as JSON."""
-    keep = [i for i in range(len(answer))]  # cleaned position -> position in the answer
+    keep = list(range(len(answer)))  # cleaned position -> position in the answer
     for m in reversed(list(_FENCE.finditer(answer))):
         del keep[m.start():m.end()]
     text = "".join(answer[i] for i in keep)
@@ -90,21 +90,22 @@ def field_spans(answer: str) -> dict[str, tuple[int, int]]:
         _, start, end = _find_json_object(text)
     except ValueError:
         return {}
-    decoder, spans, pos = json.JSONDecoder(), {}, start + 1
-    ws = re.compile(r"\s*")
-    while True:  # the object decoded whole, so its members are well formed
-        pos = ws.match(text, pos).end()  # type: ignore[union-attr]
-        if text[pos] == "}":
-            break
+
+    def skip(pos: int) -> int:  # past JSON whitespace
+        while text[pos] in " \t\n\r":
+            pos += 1
+        return pos
+
+    decoder, spans, pos = json.JSONDecoder(), {}, skip(start + 1)
+    while text[pos] != "}":  # the object decoded whole, so its members are well formed: "key" : value [,]
         key, pos = decoder.raw_decode(text, pos)
-        pos = ws.match(text, pos).end() + 1  # type: ignore[union-attr]  # past ':'
-        pos = ws.match(text, pos).end()  # type: ignore[union-attr]
+        pos = skip(skip(pos) + 1)  # past the colon
         _, value_end = decoder.raw_decode(text, pos)
         spans[key] = (keep[pos], keep[value_end - 1] + 1)
-        pos = ws.match(text, value_end).end()  # type: ignore[union-attr]
+        pos = skip(value_end)
         if text[pos] == ",":
-            pos += 1
-    assert pos < end
+            pos = skip(pos + 1)
+    assert pos == end - 1
     return spans
 
 

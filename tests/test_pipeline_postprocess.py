@@ -119,7 +119,8 @@ def test_field_spans_are_the_values_check_extraction_reads():
     answer = '{"title": "a```b", "amount": 1}'
     assert json.loads(check_extraction(answer, FIELDS[:2]).output_json)["title"] == "ab"
     assert _spans_text(answer) == {"title": '"a```b"', "amount": "1"}
-    assert field_spans("no object here") == {}
+    assert _spans_text(' {\n "a" :\t[1, 2] ,\n "b": {"c": "}"} }') == {"a": "[1, 2]", "b": '{"c": "}"}'}
+    assert field_spans("no object here") == field_spans("{ }") == {}
 
 
 @pytest.fixture(scope="module")
