@@ -282,6 +282,10 @@ def _print_report(report: RunReport) -> None:
         f"{report.output_rows} rows in the output; up to {report.max_decode_batch} documents decoded "
         "together"
     )
+    if report.uncertain.get("unsure"):
+        what = "fields" if report.job.get("task", {}).get("kind") == "extract" else "words"
+        console.print(f"{report.uncertain['unsure']} of {report.uncertain['rows']} answers are unsure of some {what} "
+                      f"(the rows' uncertain_{what}: below task.uncertain_below)", highlight=False)
     for kernels in report.kernels:
         console.print(f"replica: {kernels}", highlight=False)
     if report.resources:

@@ -142,6 +142,9 @@ class RunReport:
     stall: dict[str, Any] | None = None
     # the ok rows' mean_logprob (the trunk's confidence in the outputs): count, mean, min, p10, p50, p90, max
     mean_logprob: dict[str, float | None] = field(default_factory=dict)
+    # ok rows that say where they are unsure (uncertain_fields or uncertain_words not null), and of those the ones
+    # that list something
+    uncertain: dict[str, int] = field(default_factory=dict)
     decode_from_checkpoint: dict[str, str] = field(default_factory=dict)  # decode field -> checkpoint file:key
     # how denoising steps were computed: piece -> "exact: source" or "reading: source" (model/preview.py)
     preview_operator: dict[str, str] = field(default_factory=dict)
@@ -483,6 +486,7 @@ class RunTotals:
     output_tokens: int = 0
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*STAGES, "write"), 0.0))
     mean_logprobs: list[float] = field(default_factory=list)  # of the ok rows that have one
+    uncertain: dict[str, int] = field(default_factory=lambda: {"rows": 0, "unsure": 0})
     # ok rows' decode forwards and their output tokens; verified blocks, tokens they kept, blocks fully accepted
     decoding: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("decode_forwards", "decoded_tokens", "verified_blocks", "accepted_tokens", "full_blocks"), 0))
@@ -559,6 +563,10 @@ def _count(batch: pa.Table, totals: RunTotals, metrics: RunMetrics, plan: RunPla
         totals.output_tokens += row["output_tokens"] or 0
         if row["status"] == "ok" and row["mean_logprob"] is not None:
             totals.mean_logprobs.append(row["mean_logprob"])
+        doubts = row["uncertain_fields"] if row["uncertain_fields"] is not None else row["uncertain_words"]
+        if row["status"] == "ok" and doubts is not None:
+            totals.uncertain["rows"] += 1
+            totals.uncertain["unsure"] += bool(doubts)
         if row["status"] == "ok" and row["decode_forwards"]:
             totals.decoding["decode_forwards"] += row["decode_forwards"]
             totals.decoding["decoded_tokens"] += row["output_tokens"] or 0
@@ -765,6 +773,7 @@ def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_ad
                      "model": {"storage_options"}},
         ),
         mean_logprob=distribution(totals.mean_logprobs),
+        uncertain=dict(totals.uncertain),
         decode_from_checkpoint=model_info.decode_sources,
         preview_operator=model_info.preview,
         resources=resources.to_json() if resources else {},

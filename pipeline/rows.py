@@ -97,6 +97,8 @@ STATS_SCHEMA = pa.schema(
         ("input_tokens", pa.int64()),
         ("output_tokens", pa.int64()),
         ("mean_logprob", pa.float64()),
+        ("uncertain_fields", pa.list_(pa.string())),  # for the run report's count of rows unsure of something
+        ("uncertain_words", pa.list_(pa.string())),
         ("timings", TIMINGS_TYPE),
         ("decode_batch", pa.int32()),
         ("kernels", pa.string()),

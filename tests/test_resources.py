@@ -185,6 +185,8 @@ def test_the_example_jobs_complete_on_the_machines_cpus(ray_session, tmp_path, m
             assert r["status"] == "ok" and r["field_confidence"] is None and r["uncertain_words"] is not None, r
             assert all(w in r["output_text"] for w in r["uncertain_words"]), r
             assert not r["uncertain_words"] or math.exp(r["min_logprob"]) < spec.task.uncertain_below, r
+    unsure = sum(bool(r["uncertain_fields"] or r["uncertain_words"]) for r in rows)
+    assert report.uncertain == {"rows": len(rows), "unsure": unsure}
 
 
 @requires_engine
