@@ -3,6 +3,7 @@ field's value gets the model's confidence in it (the probability of its least li
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -122,13 +123,16 @@ def token_ends(decode: Callable[[list[int]], str], tokens: list[int]) -> list[in
 def _least(ends: list[int], logprobs: list[float], start: int, end: int) -> float | None:
     """The lowest log-probability among the tokens whose text overlaps characters [start, end)."""
     least = None
-    for j, lp in enumerate(logprobs):
-        # token j covers [ends[j-1], ends[j]); one that adds no character counts with the character it completes
+    # token j covers [ends[j-1], ends[j]); one that adds no character counts with the character it completes. The
+    # ends are sorted: start at the first token ending after `start`, stop at the first starting at `end` or later
+    for j in range(bisect.bisect_right(ends, start), len(ends)):
         lo = ends[j - 1] if j else 0
         if ends[j] == lo:
             lo -= 1
-        if lo < end and ends[j] > start and (least is None or lp < least):
-            least = lp
+        if lo >= end:
+            break
+        if least is None or logprobs[j] < least:
+            least = logprobs[j]
     return least
 
 
