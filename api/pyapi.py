@@ -115,7 +115,8 @@ def process(ds: ray.data.Dataset, job: str | os.PathLike | Mapping[str, Any] | J
         rows.map_batches(TokenizeStage(opts.model, opts.task, opts.max_input_tokens), **prep)
         .map_batches(ReplicaStage, fn_constructor_kwargs={
             "model": opts.model, "decode": opts.decode, "num_threads": max(1, int(opts.cpus_per_replica)),
-            "max_slots": opts.max_slots, "page_size": opts.kv_page_tokens, "job_name": opts.job_name},
+            "max_slots": opts.max_slots, "page_size": opts.kv_page_tokens, "job_name": opts.job_name,
+            "parts": opts.task.parts},
             compute=ray.data.ActorPoolStrategy(size=opts.replicas,
                                                max_tasks_in_flight_per_actor=batches_in_flight(opts)),
             batch_size=opts.batch_size, **replica, **fmt)

@@ -277,6 +277,31 @@ def _uncertain_below(what: str):
     return Field(default=0.5, ge=0.0, le=1.0, description=f"{what}; 0 lists none.")
 
 
+class PartsSpec(_Strict):
+    """`task.parts`: a document longer than the model's attention window is also answered part by part, and the
+    row keeps what the model was surest of (pipeline/parts.py)."""
+
+    tokens: int = Field(ge=16, description="Document tokens per part (with the instruction and the template's end, "
+                        "the part's prompt must fit the model's attention window with room for the answer).")
+    overlap: int = Field(default=0, ge=0, description="Tokens each part shares with the one before it, so a fact "
+                         "shorter than this lies whole in some part; less than `tokens`.")
+
+    @model_validator(mode="after")
+    def _overlap(self) -> PartsSpec:
+        if self.overlap >= self.tokens:
+            raise ValueError(f"overlap={self.overlap} must be less than tokens={self.tokens}")
+        return self
+
+
+def _parts(what: str):
+    return Field(default=None, description=f"Off by default. A document that attention does not see whole from the "
+                 f"answer (the tokens before the model's attention window, less `decode.max_new_tokens`) is also asked "
+                 f"the same question from parts of those tokens (the instruction, then the part), each part within "
+                 f"one window, and the row keeps {what}; `answer_parts` says which parts it took. For documents whose "
+                 f"facts the model's recurrent state does not carry past the window; costs a prefill of those tokens "
+                 f"per part they lie in and a decode per part (pipeline/parts.py).")
+
+
 class SummarizeTask(_Strict):
     """`task.kind: summarize`: one summary per document, in `output_text`."""
 
@@ -289,6 +314,7 @@ class SummarizeTask(_Strict):
     uncertain_below: float = _uncertain_below(
         "A word of the summary whose least likely token had a lower probability under the model is listed in the "
         "row's `uncertain_words`")
+    parts: PartsSpec | None = _parts("the answer (whole or from a part) with the highest mean log-probability")
 
 
 class ExtractTask(_Strict):
@@ -308,6 +334,8 @@ class ExtractTask(_Strict):
     uncertain_below: float = _uncertain_below(
         "A field whose value's least likely token had a lower probability under the model is listed in the row's "
         "`uncertain_fields` (each field's probability is in `field_confidence`)")
+    parts: PartsSpec | None = _parts("per field the value whose least likely token was likeliest "
+                                     "(`field_confidence`)")
 
     @model_validator(mode="after")
     def _field_names(self) -> ExtractTask:

@@ -63,7 +63,7 @@ def start_replicas(opts: PipelineOptions, progress: ProgressNote = NO_PROGRESS) 
         actor.remote(model=opts.model, decode=opts.decode, num_threads=max(1, int(opts.cpus_per_replica)),
                      max_slots=opts.max_slots, page_size=opts.kv_page_tokens, output=opts.output, run_id=opts.run_id,
                      max_attempts=opts.max_attempts, job_name=opts.job_name, replica_index=i,
-                     rank_num_cpus=opts.rank_num_cpus, progress=progress)
+                     rank_num_cpus=opts.rank_num_cpus, parts=opts.task.parts, progress=progress)
         for i in range(opts.replicas)
     ]
     try:

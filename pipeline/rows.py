@@ -45,7 +45,7 @@ OUTPUT_SCHEMA = pa.schema(
         ("output_text", pa.large_string()),
         ("output_json", pa.string()),  # extract: the checked JSON object as text
         ("input_tokens", pa.int64()),
-        ("output_tokens", pa.int64()),
+        ("output_tokens", pa.int64()),  # tokens generated (task.parts: by all the document's answers, as below)
         ("mean_logprob", pa.float64()),  # mean log-probability of the output tokens under the model's causal trunk
         ("min_logprob", pa.float64()),  # the least likely output token's log-probability under the trunk
         # extract: each field's confidence, the probability of its value's least likely token under the trunk (a
@@ -56,6 +56,11 @@ OUTPUT_SCHEMA = pa.schema(
         # summarize: the words of output_text whose least likely token is below task.uncertain_below, in order
         ("uncertain_words", pa.list_(pa.string())),
         ("windows", pa.int32()),  # attention windows the prompt spanned
+        # task.parts: the parts a document longer than the window was also answered from (null: answered whole
+        # only), and where the row's answer came from: a JSON object, field (extract) or "summary" -> the document
+        # tokens [start, end) of the part it was taken from; those not listed came from the whole document
+        ("parts", pa.int32()),
+        ("answer_parts", pa.string()),
         ("forward_passes", pa.int64()),
         ("denoising_steps", pa.int64()),
         ("decode_forwards", pa.int64()),  # forward passes of its decode steps (preview, check and commit forwards)
@@ -79,6 +84,11 @@ WORK_SCHEMA = pa.schema(
         pa.field("data", pa.large_binary()),  # raw bytes, read -> parse
         pa.field("text", pa.large_string()),  # parsed text, parse -> tokenize
         pa.field("prompt_ids", pa.list_(pa.int32())),  # tokenize -> infer
+    pa.field("doc_span", pa.list_(pa.int32())),  # tokenize -> infer: the document's tokens in prompt_ids [start, end)
+    # infer -> postprocess (task.parts): each part's answer, its document tokens [start, end) and output
+    pa.field("part_answers", pa.list_(pa.struct([("start", pa.int32()), ("end", pa.int32()),
+                                                 ("ids", pa.list_(pa.int32())),
+                                                 ("logprobs", pa.list_(pa.float64()))]))),
         pa.field("output_ids", pa.list_(pa.int32())),  # infer -> postprocess
         pa.field("output_logprobs", pa.list_(pa.float64())),  # infer -> postprocess: each output token's (trunk)
         pa.field("decode_batch", pa.int32()),  # infer -> stats: most documents decoded together with this one
@@ -131,7 +141,7 @@ def work_table(docs: pa.Table) -> pa.Table:
 
 def fail(row: dict[str, Any], status: str, error: str) -> None:
     """Mark a row failed and drop its heavy payloads so they do not travel further."""
-    row.update(status=status, error=error, data=None, text=None, prompt_ids=None, output_ids=None)
+    row.update(status=status, error=error, data=None, text=None, prompt_ids=None, output_ids=None, part_answers=None)
 
 
 @contextmanager

@@ -90,6 +90,9 @@ class _Records:
     def __init__(self, on_admit: Callable[[dict[str, bool]], None] | None,
                  on_leave: Callable[[list[str]], None] | None, inbox: queue.SimpleQueue) -> None:
         self.on_admit, self.on_leave, self.inbox = on_admit, on_leave, inbox
+        # requests inside per name: a document answered from its parts too (task.parts) enters as several requests
+        # of one name; its record is written when the first enters and goes when the last comes out
+        self._inside: collections.Counter[str] = collections.Counter()
         self._jobs: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="clover-records", daemon=True).start()
 
@@ -131,7 +134,13 @@ class _Records:
 
     def _merged(self, jobs: list[tuple]) -> None:
         out = [entry for job in jobs if job[0] == "leave" for entry in job[1]]
-        left = [item.name for item, _, _ in out if item.entered]
+        left = []
+        for item, _, _ in out:
+            if item.entered:
+                self._inside[item.name] -= 1
+                if self._inside[item.name] <= 0:
+                    del self._inside[item.name]
+                    left.append(item.name)
         if left and self.on_leave is not None:
             try:
                 self.on_leave(left)
@@ -143,9 +152,15 @@ class _Records:
         if not admits:
             return
         error = None
+        entering = {}
+        for _, items, alone in admits:
+            for item in items:
+                if not self._inside[item.name]:
+                    entering[item.name] = alone
+                self._inside[item.name] += 1
         try:
-            if self.on_admit is not None:
-                self.on_admit({item.name: alone for _, items, alone in admits for item in items})
+            if self.on_admit is not None and entering:
+                self.on_admit(entering)
         except Exception as e:
             error = e
         finally:

@@ -26,6 +26,7 @@ from clover_batch.connectors.faults import document_fault, fault_point
 from clover_batch.connectors.fs import Location, read_bytes
 from clover_batch.connectors.sink import stage_replacement, write_part
 from clover_batch.pipeline.page_ranges import PAGES_PER_TASK, parse_document
+from clover_batch.pipeline.parts import Answer, dumps_sources, merge_extractions, part_prompt, part_spans, pick_summary
 from clover_batch.pipeline.postprocess import (
     FieldRule,
     check_extraction,
@@ -78,6 +79,8 @@ class TaskRef:
     # a field (extract) or a word (summarize) whose least likely token is less likely than this is listed in the
     # row's uncertain_fields or uncertain_words
     uncertain_below: float = 0.5
+    # task.parts: (document tokens per part, overlap); (0, 0): a document is answered whole only (pipeline/parts.py)
+    parts: tuple[int, int] = (0, 0)
 
     def prompt_instruction(self) -> str:
         return (
@@ -196,7 +199,8 @@ class TokenizeStage:
             with guarded(row, "tokenize"):
                 with timed(row, "tokenize"):
                     ids = self._builder.build(self.instruction, row["text"])
-                row.update(text=None, input_tokens=len(ids))
+                row.update(text=None, input_tokens=len(ids),
+                           doc_span=list(self._builder.document_span(self.instruction, len(ids))))
                 if len(ids) > self.max_input_tokens:
                     fail(row, "too_long",
                          f"prompt is {len(ids)} tokens, over input.max_input_tokens={self.max_input_tokens}")
@@ -221,9 +225,12 @@ class InferStage:
 
     def __init__(self, model: ModelRef, decode: DecodeOptions, num_threads: int, max_slots: int, page_size: int = 256,
                  output: Location | None = None, run_id: str = "", max_attempts: int = 2, job_name: str = "",
-                 replica_index: int = 0, rank_num_cpus: float = 1.0, progress: ProgressNote = NO_PROGRESS):
+                 replica_index: int = 0, rank_num_cpus: float = 1.0, parts: tuple[int, int] = (0, 0),
+                 progress: ProgressNote = NO_PROGRESS):
         """rank_num_cpus: the Ray CPU share of each expert-parallel worker rank (the run's resource plan may fit it
-        to the cluster); progress: where this replica's heartbeat goes while it loads (pipeline/progress.py)."""
+        to the cluster); parts: task.parts (tokens, overlap), (0, 0) for none (pipeline/parts.py); progress: where
+        this replica's heartbeat goes while it loads (pipeline/progress.py)."""
+        self.parts = parts
         # The watchdog cannot ask a replica that is still in its constructor: it sends its own heartbeat, from the
         # first line (importing torch and loading the model take long on a busy machine) until it can answer.
         with progress.beating(REPLICA_LOAD):
@@ -304,9 +311,18 @@ class InferStage:
                         ", ".join(self._uris.get(d, d) for d in doc_ids), type(e).__name__, e)
 
     async def _run_one(self, row: dict[str, Any], alone: bool):
+        """The document's Generation, and with task.parts for a prompt longer than the window, each part's
+        ((start, end) of the document's tokens, Generation)."""
         self._uris[row["doc_id"]] = row["source_uri"]
+        prompt, name = row["prompt_ids"], row["doc_id"]
         try:
-            return await self.loop.submit(row["prompt_ids"], name=row["doc_id"], alone=alone)
+            start, end = row["doc_span"] or (0, len(prompt))
+            spans = part_spans(end - start, len(prompt) - end, self.engine.window,
+                               self.engine.options.max_new_tokens, *self.parts)
+            gens = await asyncio.gather(
+                self.loop.submit(prompt, name=name, alone=alone),
+                *(self.loop.submit(part_prompt(prompt, start, end, s), name=name, alone=alone) for s in spans))
+            return gens[0], list(zip(spans, gens[1:], strict=True))
         finally:
             self._uris.pop(row["doc_id"], None)
             self._past.pop(row["doc_id"], None)
@@ -341,40 +357,51 @@ class InferStage:
                     run.append((row, bool(attempts)))
             results = await asyncio.gather(*(self._run_one(row, alone) for row, alone in run), return_exceptions=True)
             todo = [row for row, _ in run]
-            for row, gen in zip(todo, results, strict=True):
-                if isinstance(gen, ExpertParallelError | EngineCapacityError):
-                    raise gen  # the replica is broken or too small: not the documents' fault, so no rows for them
-                if isinstance(gen, BaseException):
-                    fail(row, "inference_error", f"{type(gen).__name__}: {gen}")
+            for row, result in zip(todo, results, strict=True):
+                if isinstance(result, ExpertParallelError | EngineCapacityError):
+                    raise result  # the replica is broken or too small: not the documents' fault, so no rows for them
+                if isinstance(result, BaseException):
+                    fail(row, "inference_error", f"{type(result).__name__}: {result}")
                     continue
+                gen, parts = result
+                every = [gen, *(g for _, g in parts)]
                 if self.metrics is not None:
-                    self.metrics.generated(gen)
+                    for g in every:
+                        self.metrics.generated(g)
+                # the row's engine work is all its answers'
+                prefill, decode = sum(g.prefill_seconds for g in every), sum(g.decode_seconds for g in every)
+                tokens, decode_forwards = sum(len(g.tokens) for g in every), sum(g.decode_forwards for g in every)
+                blocks, accepted = sum(g.verified_blocks for g in every), sum(g.accepted_tokens for g in every)
+                full = sum(g.full_blocks for g in every)
                 row["timings"] = {
                     **(row["timings"] or {}),
                     # this document's engine time: its prefill, and its share of every decode step it was in
-                    "infer": gen.prefill_seconds + gen.decode_seconds,
-                    "prefill": gen.prefill_seconds,
-                    "decode": gen.decode_seconds,
+                    "infer": prefill + decode,
+                    "prefill": prefill,
+                    "decode": decode,
                 }
                 row.update(
                     prompt_ids=None,
+                    doc_span=None,
                     output_ids=list(gen.tokens),
-                    output_tokens=len(gen.tokens),
+                    output_tokens=tokens,
                     mean_logprob=gen.mean_logprob,
                     output_logprobs=gen.token_logprobs,
+                    part_answers=[{"start": s, "end": e, "ids": list(g.tokens), "logprobs": g.token_logprobs}
+                                  for (s, e), g in parts] or None,
+                    parts=len(parts) or None,
                     windows=gen.windows,
-                    forward_passes=gen.forward_passes,
-                    denoising_steps=gen.denoising_steps,
-                    decode_forwards=gen.decode_forwards,
-                    tokens_per_forward=len(gen.tokens) / gen.decode_forwards if gen.decode_forwards else None,
-                    accepted_per_block=(gen.accepted_tokens / gen.verified_blocks if gen.verified_blocks
-                                        else None),
-                    full_block_share=gen.full_blocks / gen.verified_blocks if gen.verified_blocks else None,
-                    verified_blocks=gen.verified_blocks or None,
-                    accepted_tokens=gen.accepted_tokens or None,
-                    full_blocks=gen.full_blocks if gen.verified_blocks else None,
+                    forward_passes=sum(g.forward_passes for g in every),
+                    denoising_steps=sum(g.denoising_steps for g in every),
+                    decode_forwards=decode_forwards,
+                    tokens_per_forward=tokens / decode_forwards if decode_forwards else None,
+                    accepted_per_block=accepted / blocks if blocks else None,
+                    full_block_share=full / blocks if blocks else None,
+                    verified_blocks=blocks or None,
+                    accepted_tokens=accepted or None,
+                    full_blocks=full if blocks else None,
                     stopped=gen.stopped,
-                    decode_batch=gen.decode_batch,
+                    decode_batch=max(g.decode_batch for g in every),
                     kernels=self.kernels,
                 )
             fault_point("inference")
@@ -407,6 +434,9 @@ class PostprocessStage:
             if not _ok(row):
                 continue
             with guarded(row, "postprocess"), timed(row, "postprocess"):
+                if row["part_answers"]:
+                    self._from_parts(row)
+                    continue
                 ids, logprobs = row["output_ids"] or [], row["output_logprobs"]
                 text = self._builder.decode(ids)
                 row["output_text"] = strip_thinking(text)
@@ -423,6 +453,59 @@ class PostprocessStage:
                                                              self._builder.decode, self.task.uncertain_below)
         self.progress("postprocess")
         return to_table(rows)
+
+    def _from_parts(self, row: dict[str, Any]) -> None:
+        """A document answered whole and from its parts (task.parts, pipeline/parts.py): the row keeps, per field
+        or whole, the answer the model was surest of, and says in `answer_parts` which parts it took."""
+        assert self._builder is not None
+        decode, task = self._builder.decode, self.task
+        names = [f.name for f in task.fields]
+        outputs = [(None, row["output_ids"] or [], row["output_logprobs"]),
+                   *(((p["start"], p["end"]), p["ids"] or [], p["logprobs"]) for p in row["part_answers"])]
+        row.update(output_ids=None, output_logprobs=None, part_answers=None)
+        answers, texts, first_error = [], [], None
+        for span, ids, logprobs in outputs:
+            text = decode(ids)
+            answer = strip_thinking(text)
+            texts.append(answer)
+            mean = sum(logprobs) / len(logprobs) if logprobs else None
+            if task.kind != "extract":
+                answers.append(Answer(span, mean))
+                continue
+            checked = check_extraction(answer, list(task.fields))
+            if checked.error:
+                first_error = first_error or checked.error
+                answers.append(Answer(span, mean))
+                continue
+            confidence = field_confidence(text, answer, ids, logprobs, decode, names) if logprobs else None
+            answers.append(Answer(span, mean, json.loads(checked.output_json), confidence))
+        if task.kind != "extract":
+            chosen = pick_summary(answers)
+            at = answers.index(chosen)
+            span, ids, logprobs = outputs[at]
+            row.update(output_text=texts[at], mean_logprob=chosen.mean_logprob,
+                       min_logprob=min(logprobs) if logprobs else None,
+                       answer_parts=dumps_sources({"summary": list(span)} if span else {}))
+            if logprobs:
+                row["uncertain_words"] = uncertain_words(decode(ids), texts[at], ids, logprobs, decode,
+                                                         task.uncertain_below)
+            return
+        merged = merge_extractions(answers, names)
+        if merged is None:
+            row.update(output_text=texts[0], status="invalid_output",
+                       error=f"extraction answer refused (the whole document's and each of its parts'): {first_error}")
+            return
+        values, confidence, sources = merged
+        used = [i for i, a in enumerate(answers)  # the answers some field was taken from
+                if (a.span is None and len(sources) < len(names)) or (a.span and list(a.span) in sources.values())]
+        scored = [lp for i in used for lp in (outputs[i][2] or [])]
+        output_json = json.dumps(values, ensure_ascii=False, sort_keys=True)
+        row.update(output_json=output_json, output_text=texts[0] if not sources else output_json,
+                   answer_parts=dumps_sources(sources), min_logprob=min(scored) if scored else None,
+                   mean_logprob=sum(scored) / len(scored) if scored else None)
+        if confidence:
+            row["field_confidence"] = json.dumps(confidence, sort_keys=True)
+            row["uncertain_fields"] = [n for n in names if n in confidence and confidence[n] < task.uncertain_below]
 
     def _confidence(self, row: dict[str, Any], text: str, ids: list[int], logprobs: list[float]) -> None:
         """field_confidence (each field's least likely token's probability) and uncertain_fields (those below

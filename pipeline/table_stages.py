@@ -81,8 +81,8 @@ class ReplicaStage(InferStage):
     after Ray Data's retries instead of getting a `crashed` row."""
 
     def __init__(self, model: ModelRef, decode: DecodeOptions, num_threads: int, max_slots: int, page_size: int,
-                 job_name: str):
-        super().__init__(model, decode, num_threads, max_slots, page_size, job_name=job_name)
+                 job_name: str, parts: tuple[int, int] = (0, 0)):
+        super().__init__(model, decode, num_threads, max_slots, page_size, job_name=job_name, parts=parts)
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         return await self.infer(batch)

@@ -109,6 +109,11 @@ class PromptBuilder:
         """Prompt ids for one document: the instruction, a blank line, the document, as one user message."""
         return self._wrap(f"{instruction}\n\n{_DOC_SENTINEL}", document)
 
+    def document_span(self, instruction: str, prompt_tokens: int) -> tuple[int, int]:
+        """Where the document lies, [start, end), in a prompt of `build(instruction, ...)` of this length."""
+        before, after = self._scaffold(f"{instruction}\n\n{_DOC_SENTINEL}")
+        return len(before), prompt_tokens - len(after)
+
     def check(self, instruction: str) -> None:
         """Render the template for `instruction` now (raises ChatTemplateError): the driver's check before a run."""
         self._scaffold(f"{instruction}\n\n{_DOC_SENTINEL}")

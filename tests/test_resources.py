@@ -187,6 +187,14 @@ def test_the_example_jobs_complete_on_the_machines_cpus(ray_session, tmp_path, m
             assert not r["uncertain_words"] or math.exp(r["min_logprob"]) < spec.task.uncertain_below, r
     unsure = sum(bool(r["uncertain_fields"] or r["uncertain_words"]) for r in rows)
     assert report.uncertain == {"rows": len(rows), "unsure": unsure}
+    # task.parts: the one example document attention does not see whole is answered from its parts too
+    split = [r for r in rows if r["parts"]]
+    assert [r["source_uri"].rsplit("/", 1)[-1] for r in split] == ["incident-report-long.txt"]
+    for r in rows:
+        taken = json.loads(r["answer_parts"] or "{}")
+        assert set(taken) <= {*getattr(spec.task, "fields", {}), "summary"}, r
+        assert all(0 <= start < end <= r["input_tokens"] for start, end in taken.values()), r
+        assert not taken or r["parts"], r
 
 
 @requires_engine
