@@ -110,6 +110,12 @@ def _check_local(spec: JobSpec, source: str, *, weights: bool) -> ModelCheck:
         decode.options().check(config)
     except ValueError as e:
         raise ValueError(f"decode: {e} (model {spec.model.source})") from None
+    options = decode.options()
+    if spec.task.parts is not None and options.diffusion(config) and not (config.diffusion and
+                                                                          config.diffusion.logits_shift):
+        raise ValueError(f"task.parts picks the answer the model scores likeliest, and decode.mode {options.mode} "
+                         f"on model {spec.model.source} (no logits_shift: its causal logits do not score its "
+                         f"outputs) scores none; use decode.mode verified or autoregressive, or leave task.parts out")
     if spec.model.expert_parallel > 1:
         check_expert_parallel(config, spec.model.expert_parallel)
     if weights and os.path.isdir(source):

@@ -500,7 +500,8 @@ class PostprocessStage:
                 if (a.span is None and len(sources) < len(names)) or (a.span and list(a.span) in sources.values())]
         scored = [lp for i in used for lp in (outputs[i][2] or [])]
         output_json = json.dumps(values, ensure_ascii=False, sort_keys=True)
-        row.update(output_json=output_json, output_text=texts[0] if not sources else output_json,
+        # the model's own text where one answer gave every field, else the merged object
+        row.update(output_json=output_json, output_text=texts[used[0]] if len(used) == 1 else output_json,
                    answer_parts=dumps_sources(sources), min_logprob=min(scored) if scored else None,
                    mean_logprob=sum(scored) / len(scored) if scored else None)
         if confidence:
