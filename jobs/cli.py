@@ -286,6 +286,10 @@ def _print_report(report: RunReport) -> None:
         what = "fields" if report.job.get("task", {}).get("kind") == "extract" else "words"
         console.print(f"{report.uncertain['unsure']} of {report.uncertain['rows']} answers are unsure of some {what} "
                       f"(the rows' uncertain_{what}: below task.uncertain_below)", highlight=False)
+    if report.parts.get("rows"):
+        console.print(f"{report.parts['rows']} documents longer than the attention window's reach were also answered "
+                      f"from their parts (task.parts); {report.parts['from_parts']} took their answer or some of its "
+                      f"fields from a part (the rows' answer_parts)", highlight=False)
     for kernels in report.kernels:
         console.print(f"replica: {kernels}", highlight=False)
     if report.resources:

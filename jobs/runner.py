@@ -145,6 +145,9 @@ class RunReport:
     # ok rows that say where they are unsure (uncertain_fields or uncertain_words not null), and of those the ones
     # that list something
     uncertain: dict[str, int] = field(default_factory=dict)
+    # task.parts: ok rows whose document was also answered from its parts, and of those the ones whose answer (a
+    # summary, or some field) came from a part
+    parts: dict[str, int] = field(default_factory=dict)
     decode_from_checkpoint: dict[str, str] = field(default_factory=dict)  # decode field -> checkpoint file:key
     # how denoising steps were computed: piece -> "exact: source" or "reading: source" (model/preview.py)
     preview_operator: dict[str, str] = field(default_factory=dict)
@@ -488,6 +491,7 @@ class RunTotals:
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*STAGES, "write"), 0.0))
     mean_logprobs: list[float] = field(default_factory=list)  # of the ok rows that have one
     uncertain: dict[str, int] = field(default_factory=lambda: {"rows": 0, "unsure": 0})
+    parts: dict[str, int] = field(default_factory=lambda: {"rows": 0, "from_parts": 0})
     # ok rows' decode forwards and their output tokens; verified blocks, tokens they kept, blocks fully accepted
     decoding: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("decode_forwards", "decoded_tokens", "verified_blocks", "accepted_tokens", "full_blocks"), 0))
@@ -568,6 +572,9 @@ def _count(batch: pa.Table, totals: RunTotals, metrics: RunMetrics, plan: RunPla
         if row["status"] == "ok" and doubts is not None:
             totals.uncertain["rows"] += 1
             totals.uncertain["unsure"] += bool(doubts)
+        if row["status"] == "ok" and row["parts"]:
+            totals.parts["rows"] += 1
+            totals.parts["from_parts"] += bool(row["answer_parts"])
         if row["status"] == "ok" and row["decode_forwards"]:
             totals.decoding["decode_forwards"] += row["decode_forwards"]
             totals.decoding["decoded_tokens"] += row["output_tokens"] or 0
@@ -775,6 +782,7 @@ def _report(spec: JobSpec, run_id: str, plan: RunPlan, totals: RunTotals, ray_ad
         ),
         mean_logprob=distribution(totals.mean_logprobs),
         uncertain=dict(totals.uncertain),
+        parts=dict(totals.parts),
         decode_from_checkpoint=model_info.decode_sources,
         preview_operator=model_info.preview,
         resources=resources.to_json() if resources else {},

@@ -109,6 +109,8 @@ STATS_SCHEMA = pa.schema(
         ("mean_logprob", pa.float64()),
         ("uncertain_fields", pa.list_(pa.string())),  # for the run report's count of rows unsure of something
         ("uncertain_words", pa.list_(pa.string())),
+        ("parts", pa.int32()),  # task.parts: for the run report's count of documents answered from parts too
+        ("answer_parts", pa.string()),
         ("timings", TIMINGS_TYPE),
         ("decode_batch", pa.int32()),
         ("kernels", pa.string()),

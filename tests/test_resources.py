@@ -195,6 +195,7 @@ def test_the_example_jobs_complete_on_the_machines_cpus(ray_session, tmp_path, m
         assert set(taken) <= {*getattr(spec.task, "fields", {}), "summary"}, r
         assert all(0 <= start < end <= r["input_tokens"] for start, end in taken.values()), r
         assert not taken or r["parts"], r
+    assert report.parts == {"rows": 1, "from_parts": sum(bool(r["answer_parts"]) for r in split)}
 
 
 @requires_engine
