@@ -287,9 +287,9 @@ def _print_report(report: RunReport) -> None:
         console.print(f"{report.uncertain['unsure']} of {report.uncertain['rows']} answers are unsure of some {what} "
                       f"(the rows' uncertain_{what}: below task.uncertain_below)", highlight=False)
     if report.parts.get("rows"):
-        console.print(f"{report.parts['rows']} documents longer than the attention window's reach were also answered "
-                      f"from their parts (task.parts); {report.parts['from_parts']} took their answer or some of its "
-                      f"fields from a part (the rows' answer_parts)", highlight=False)
+        console.print(f"{report.parts['rows']} of {report.processed} documents were also answered from their parts "
+                      f"(task.parts: longer than the attention window's reach); {report.parts['from_parts']} of them "
+                      f"took their answer or some of its fields from a part (the rows' answer_parts)", highlight=False)
     for kernels in report.kernels:
         console.print(f"replica: {kernels}", highlight=False)
     if report.resources:
