@@ -88,9 +88,11 @@ def merge_extractions(answers: list[Answer], names: list[str]) -> tuple[dict, di
     return merged, confidence, sources
 
 
-def pick_summary(answers: list[Answer]) -> Answer:
-    """The answer with the highest mean log-probability (the whole's where none is scored)."""
-    return _rank(answers, lambda a: a.mean_logprob) or answers[0]
+def pick_summary(answers: list[Answer]) -> int:
+    """The index of the answer with the highest mean log-probability (the first, the whole's, where none is
+    scored)."""
+    best = _rank(answers, lambda a: a.mean_logprob)
+    return next(i for i, a in enumerate(answers) if a is best) if best is not None else 0
 
 
 def dumps_sources(sources: dict) -> str | None:

@@ -463,10 +463,11 @@ class PostprocessStage:
         outputs = [(None, row["output_ids"] or [], row["output_logprobs"]),
                    *(((p["start"], p["end"]), p["ids"] or [], p["logprobs"]) for p in row["part_answers"])]
         row.update(output_ids=None, output_logprobs=None, part_answers=None)
-        answers, texts, first_error = [], [], None
+        answers, raw, texts, first_error = [], [], [], None
         for span, ids, logprobs in outputs:
             text = decode(ids)
             answer = strip_thinking(text)
+            raw.append(text)
             texts.append(answer)
             mean = sum(logprobs) / len(logprobs) if logprobs else None
             if task.kind != "extract":
@@ -480,14 +481,13 @@ class PostprocessStage:
             confidence = field_confidence(text, answer, ids, logprobs, decode, names) if logprobs else None
             answers.append(Answer(span, mean, json.loads(checked.output_json), confidence))
         if task.kind != "extract":
-            chosen = pick_summary(answers)
-            at = answers.index(chosen)
+            at = pick_summary(answers)
             span, ids, logprobs = outputs[at]
-            row.update(output_text=texts[at], mean_logprob=chosen.mean_logprob,
+            row.update(output_text=texts[at], mean_logprob=answers[at].mean_logprob,
                        min_logprob=min(logprobs) if logprobs else None,
                        answer_parts=dumps_sources({"summary": list(span)} if span else {}))
             if logprobs:
-                row["uncertain_words"] = uncertain_words(decode(ids), texts[at], ids, logprobs, decode,
+                row["uncertain_words"] = uncertain_words(raw[at], texts[at], ids, logprobs, decode,
                                                          task.uncertain_below)
             return
         merged = merge_extractions(answers, names)

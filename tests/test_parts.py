@@ -73,8 +73,8 @@ def test_merge_keeps_per_field_the_answer_surest_of_it():
     # a field no answer scored (logprobs not given) keeps the first valid answer's value
     unscored = [Answer(None, None, {"a": 1}, None), Answer((0, 128), None, {"a": 2}, None)]
     assert merge_extractions(unscored, ["a"]) == ({"a": 1}, {}, {})
-    assert pick_summary([whole, first, refused, second]) is refused  # the highest mean log-probability
-    assert pick_summary([Answer(None, None), Answer((0, 128), None)]).span is None
+    assert pick_summary([whole, first, refused, second]) == 2  # the highest mean log-probability
+    assert pick_summary([Answer(None, None), Answer((0, 128), None)]) == 0  # none scored: the whole
 
 
 def test_parts_are_checked_in_the_job(tmp_path):
