@@ -142,7 +142,7 @@ def reference_worker(path: str, repeats: int) -> None:
     import json
 
     from clover_batch.pipeline.ocr import Recogniser, recognise_document
-    from clover_batch.pipeline.parse import clean, markdown_reference
+    from clover_batch.pipeline.parse import clean, markdown_reference, tidy_lines
 
     data = Path(path).read_bytes()
     recogniser = Recogniser()
@@ -155,7 +155,7 @@ def reference_worker(path: str, repeats: int) -> None:
         with pymupdf.open(stream=data, filetype="pdf") as doc:
             recognise_document(doc, "auto", recogniser)
             [page.get_text() for page in doc]
-            text = clean(markdown_reference(doc).strip())
+            text = tidy_lines(clean(markdown_reference(doc)))
         seconds.append(time.perf_counter() - start)
         cpu.append(time.process_time() - cpu_start)
     print(json.dumps({"seconds": seconds, "cpu": cpu, "sha": hashlib.sha256(text.encode()).hexdigest(),

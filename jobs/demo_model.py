@@ -35,6 +35,7 @@ interrupted run from its last save with the same data order, and the folder is r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -119,9 +120,10 @@ class Recipe:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     min_lr_ratio: float = 0.05
-    # Step counts: the whole run within 150 minutes on 2 cores. The committed checkpoint's run, alone on an idle
-    # 2-core machine at 2 threads: phase 1 took 53 minutes (0.7 s/step), phase 1b 16 (1.6 s/step), phase 2 33
-    # (1.9-2.1 s/step; its clean pass runs answer blocks one at a time, then the noised copies), 102 in all.
+    # Step counts: the whole run within one 180-minute session on 2 cores (issue 27 asked 150; the `polish`
+    # preset's phase 3 takes it to 158). The committed checkpoint's runs, alone on an idle 2-core machine at 2
+    # threads: phase 1 took 53 minutes (0.7 s/step), phase 1b 16 (1.6 s/step), phase 2 33 (1.9-2.1 s/step; its
+    # clean pass runs answer blocks one at a time, then the noised copies), phase 3 56 (2.2 s/step), 158 in all.
     # phase 1: autoregressive, next-token loss on whole sequences
     ar_steps: int = 4500
     ar_lr: float = 3e-3
@@ -145,6 +147,13 @@ class Recipe:
     bd_ar_weight: float = 0.5  # weight of the autoregressive loss kept beside the block-diffusion loss
     eps: float = 0.1  # smallest mask rate
     noise_copies: int = 2
+    # phase 3, polish: block diffusion again from phase 2's weights, on its own documents, at a lower rate and with
+    # the whole autoregressive loss (the trunk's copying is what the example jobs' answers are); the preview trains
+    # beside it, so it keeps drafting for the trunk it verifies against. 0 steps leaves it out
+    polish_steps: int = 0
+    polish_lr: float = 3e-4
+    polish_warmup: int = 20
+    polish_ar_weight: float = 1.0
     # data
     extract_share: float = 0.5  # share of training pairs that are extractions (the rest summaries)
     long_share: float = 0.2  # share of long documents (facts, then more than a window of log and notes)
@@ -331,8 +340,9 @@ def training_pairs(maker: PairMaker, recipe: Recipe, *, short: int = 0, phase: i
     """An endless seeded stream of training examples over the TRAIN_SEEDS documents; the first `short` ones are
     short documents (no filler, never long). Each phase draws its own documents (its own part of TRAIN_SEEDS)."""
     rng = random.Random(recipe.seed * 1_000 + phase)
-    # phases 0 and 1 start half the seeds apart; phase 2 a quarter of the way in
-    i = start = phase * len(TRAIN_SEEDS) // 2 + (phase // 2) * (len(TRAIN_SEEDS) // 4)
+    # phases 0 and 1 start half the seeds apart, 2 and 3 a quarter further; 4 (polish) an eighth of the way in
+    i = start = (phase * len(TRAIN_SEEDS) // 2 + (phase // 2) * (len(TRAIN_SEEDS) // 4) if phase < 4
+                 else (2 * phase - 7) * len(TRAIN_SEEDS) // 8)
     while True:
         first = i < short + start
         doc = make_document(TRAIN_SEEDS[(recipe.seed * 1_000_003 + i) % len(TRAIN_SEEDS)],
@@ -348,15 +358,16 @@ def training_pairs(maker: PairMaker, recipe: Recipe, *, short: int = 0, phase: i
 
 
 AR_PHASE, LONG_PHASE, BD_PHASE = "autoregressive", "long documents", "block diffusion"
-LOOKUP_PHASE = "look-up"
+LOOKUP_PHASE, POLISH_PHASE = "look-up", "polish"
 # each phase's `training_pairs(phase=)`: its own documents
-PHASE_DATA = {AR_PHASE: 0, BD_PHASE: 1, LONG_PHASE: 2, LOOKUP_PHASE: 3}
+PHASE_DATA = {AR_PHASE: 0, BD_PHASE: 1, LONG_PHASE: 2, LOOKUP_PHASE: 3, POLISH_PHASE: 4}
 # the Recipe fields only these phases read; every other field shapes the first phase already (tokenizer, init, data)
 PHASE_FIELDS = {
     LONG_PHASE: ("long_steps", "long_lr", "long_warmup"),
     LOOKUP_PHASE: ("lookup_steps", "lookup_lr", "lookup_warmup", "lookup_window", "lookup_copy_share",
                    "lookup_drill_share"),
     BD_PHASE: ("bd_steps", "bd_lr", "bd_warmup", "bd_ar_weight", "eps", "noise_copies"),
+    POLISH_PHASE: ("polish_steps", "polish_lr", "polish_warmup", "polish_ar_weight"),
 }
 UNSHAPING_FIELDS = ("threads", "save_every")  # change the time and the saves, never the weights
 
@@ -374,7 +385,7 @@ def phase_mix(recipe: Recipe, name: str) -> Recipe:
 
 def phases(recipe: Recipe):
     """The recipe's training phases (model.train.Phase), those with steps, in order: autoregressive, long documents,
-    look-up, block diffusion."""
+    look-up, block diffusion, polish."""
     from clover_batch.model.train import Phase, TokenWeights, TrainOptions
 
     common = {"min_lr_ratio": recipe.min_lr_ratio, "weight_decay": recipe.weight_decay,
@@ -395,6 +406,11 @@ def phases(recipe: Recipe):
         out.append(Phase(BD_PHASE, TrainOptions(steps=recipe.bd_steps, lr=recipe.bd_lr, warmup=recipe.bd_warmup,
                                                 eps=recipe.eps, noise_copies=recipe.noise_copies,
                                                 ar_weight=recipe.bd_ar_weight, bd_weight=1.0, **common)))
+    if recipe.polish_steps:
+        out.append(Phase(POLISH_PHASE, TrainOptions(steps=recipe.polish_steps, lr=recipe.polish_lr,
+                                                    warmup=recipe.polish_warmup, eps=recipe.eps,
+                                                    noise_copies=recipe.noise_copies,
+                                                    ar_weight=recipe.polish_ar_weight, bd_weight=1.0, **common)))
     if not out:
         raise ValueError("the recipe has no training steps (ar_steps, long_steps and bd_steps are all 0)")
     return out
@@ -403,12 +419,14 @@ def phases(recipe: Recipe):
 # ---- the command ----------------------------------------------------------------------------------------------
 
 # Recipe fields the command sets, and its option for each
-COMMAND_OPTIONS = {"seed": "--seed", "ar_steps": "--ar-steps", "long_steps": "--long-steps", "bd_steps": "--bd-steps"}
-# the recipes `train-demo --recipe NAME` starts from: the committed checkpoint's, and the GDN look-up's (phase 1c,
-# held slow heads, long drills from the first step; docs/models.md)
+COMMAND_OPTIONS = {"seed": "--seed", "ar_steps": "--ar-steps", "long_steps": "--long-steps", "bd_steps": "--bd-steps",
+                   "polish_steps": "--polish-steps"}
+# the recipes `train-demo --recipe NAME` starts from: the default (phases 1, 1b and 2), the GDN look-up's (phase 1c,
+# held slow heads, long drills from the first step; docs/models.md), and the default with phase 3 (polish)
 RECIPES = {
     "default": Recipe(),
     "look-up": Recipe(slow_heads=2, long_drill_share=0.15, lookup_steps=2400),
+    "polish": Recipe(polish_steps=1500),
 }
 
 
@@ -419,7 +437,9 @@ def train_command(out: Path, recipe: Recipe) -> str:
     ignored = {name: getattr(Recipe(), name) for name in (*COMMAND_OPTIONS, *UNSHAPING_FIELDS)}
     differ = {preset: [f.name for f in fields(Recipe) if f.name not in ignored
                        and getattr(recipe, f.name) != getattr(base, f.name)] for preset, base in RECIPES.items()}
-    preset = min(differ, key=lambda name: len(differ[name]))
+    # the preset that differs in fewest fields, then needs fewest step options
+    preset = min(differ, key=lambda name: (len(differ[name]), sum(getattr(recipe, f) != getattr(RECIPES[name], f)
+                                                                   for f in COMMAND_OPTIONS)))
     if differ[preset]:
         return f"no train-demo command: the recipe is the {preset!r} preset with other {', '.join(differ[preset])}"
     chosen = "" if preset == "default" else f" --recipe {preset}"
@@ -460,16 +480,45 @@ def _extend(state_dir: Path, saved: Recipe, recipe: Recipe) -> None:
     later_recipe(saved, recipe, [p.name for p in plan[:done]])
 
 
+def _init_from(init: Path, recipe: Recipe, shape: DemoShape) -> dict:
+    """What starting `recipe` from the checkpoint in `init` (made by train-demo) takes: its training report's
+    recipe, phases and time, checked to be the first phases of `recipe` (the same fields, so `recipe` differs from
+    its own only in phases it has not trained) with the same shape. Raises ValueError naming the difference."""
+    path = init / "training.json"
+    if not path.exists():
+        raise FileNotFoundError(f"--init {init}: no training.json there (a checkpoint made by train-demo)")
+    done = json.loads(path.read_text())
+    if "init" in done:
+        raise ValueError(f"--init {init}: that checkpoint was itself started from another; start from the one it "
+                         f"started from ({done['init']['dir']})")
+    base = Recipe(**done["recipe"])
+    if DemoShape(**done["shape"]) != shape:
+        raise ValueError(f"--init {init}: its shape differs from this run's ({done['shape']})")
+    base_plan = [p.name for p in phases(base)]
+    plan = [p.name for p in phases(recipe)]
+    if plan[:len(base_plan)] != base_plan or len(plan) == len(base_plan):
+        raise ValueError(f"--init {init}: its phases ({', '.join(base_plan)}) must be the first of this recipe's "
+                         f"({', '.join(plan)}), with more after them")
+    later_recipe(base, recipe, base_plan)
+    digest = hashlib.sha256((init / "model.safetensors").read_bytes()).hexdigest()
+    return {"dir": str(init), "model_sha256": digest, "command": done["command"], "recipe": done["recipe"],
+            "phases_done": len(base_plan),
+            "phases": done["phases"], "seconds": done["seconds"], "sessions": done["sessions"]}
+
+
 def train_demo(out: Path, recipe: Recipe = Recipe(), shape: DemoShape = DemoShape(), *,
                overwrite: bool = False, resume: bool = False, threads: int | None = None,
-               extend: Recipe | None = None,
+               extend: Recipe | None = None, init: Path | None = None,
                on_log: Callable[[str, int, CloverModel, PairMaker], None] | None = None) -> dict:
     """Train the demo checkpoint into `out`; returns the training report (also written as training.json).
 
     resume: continue the unfinished run whose state is in OUT/resume (its recipe and shape; the ones given are
     not used), from its last save, with the same data order. extend (with resume): continue it under this recipe
     instead, which may add or change only phases the run has not started, from a save at a phase's end (the
-    recipe is then the run's, in OUT/resume/run.json and training.json). threads: CPU threads (default: the recipe's; a
+    recipe is then the run's, in OUT/resume/run.json and training.json). init: start from the checkpoint train-demo
+    made there, whose phases are the first of `recipe` (`_init_from`): its tokenizer and weights (as saved, bf16),
+    then `recipe`'s later phases; a run from the start with the same recipe trains those on its fp32 weights, so it
+    ends near these, not bit-equal. threads: CPU threads (default: the recipe's; a
     resumed session may use another count). on_log(phase, step, model, pair maker): called at every logged step
     (bench/demo_recipes.py probes the model there); it must leave the model as it found it.
     """
@@ -500,17 +549,24 @@ def train_demo(out: Path, recipe: Recipe = Recipe(), shape: DemoShape = DemoShap
 
     instructions = job_instructions()
     if not resume:
+        started = _init_from(init, recipe, shape) if init is not None else None
         shutil.rmtree(state_dir, ignore_errors=True)
         out.mkdir(parents=True, exist_ok=True)
-        tokenizer = train_tokenizer(shape.vocab_size, recipe.tokenizer_docs, instructions,
-                                    capital_space=recipe.capital_space)
-        if tokenizer.get_vocab_size(with_added_tokens=True) > shape.vocab_size:
-            raise AssertionError("tokenizer larger than the model's vocabulary")
-        tokenizer.save(str(out / "tokenizer.json"))
+        if started is not None:
+            shutil.copyfile(init / "tokenizer.json", out / "tokenizer.json")
+        else:
+            tokenizer = train_tokenizer(shape.vocab_size, recipe.tokenizer_docs, instructions,
+                                        capital_space=recipe.capital_space)
+            if tokenizer.get_vocab_size(with_added_tokens=True) > shape.vocab_size:
+                raise AssertionError("tokenizer larger than the model's vocabulary")
+            tokenizer.save(str(out / "tokenizer.json"))
         state_dir.mkdir()
         (state_dir / "run.json").write_text(json.dumps({"recipe": asdict(recipe), "shape": asdict(shape),
                                                         "tokenizer_seconds": round(time.perf_counter() - t0, 1),
-                                                        "sessions": []}, indent=2) + "\n")
+                                                        "sessions": [],
+                                                        **({"init": started} if started else {})}, indent=2) + "\n")
+    elif init is not None:
+        raise ValueError("--resume goes on from the run's own start; --init applies to a new run")
     run = json.loads((state_dir / "run.json").read_text())
     run["sessions"].append({"started": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": threads,
                             "load_average_before": [round(x, 2) for x in load_before]})
@@ -519,11 +575,18 @@ def train_demo(out: Path, recipe: Recipe = Recipe(), shape: DemoShape = DemoShap
     config = demo_config(shape)
     model = build_model(config)
     init_for_training(model, recipe.seed, embedding_std=recipe.embedding_std)
+    started = run.get("init")
+    skip = started["phases_done"] if started else 0  # phases the init checkpoint trained
+    if started:  # (a resumed run's saved state, when there is one, replaces these weights)
+        from clover_batch.model import load_model
+
+        model.load_state_dict(load_model(started["dir"], dtype=torch.float32).state_dict())
     maker = PairMaker(out, instructions)
     plan = phases(recipe)
     short = int(recipe.short_share * recipe.ar_steps) * recipe.batch_size
 
     def batches(k: int):
+        k += skip  # the plan's index (train_phases counts the phases it runs)
         name = plan[k].name
         stream = training_pairs(maker, phase_mix(recipe, name), short=short if name == AR_PHASE else 0,
                                 phase=PHASE_DATA[name])
@@ -538,14 +601,15 @@ def train_demo(out: Path, recipe: Recipe = Recipe(), shape: DemoShape = DemoShap
         if on_log is not None:
             on_log(phase, step, model, maker)
 
-    logs = train_phases(model, plan, batches, saving=Saving(state_dir / "state.pt", recipe.save_every),
+    logs = train_phases(model, plan[skip:], batches, saving=Saving(state_dir / "state.pt", recipe.save_every),
                         on_log=logged)
     # bf16 on disk halves the file (trained in fp32; jobs load it back as float32 or bfloat16 as they ask)
     save_checkpoint(model.to(torch.bfloat16), out)
     total, active = config.parameter_counts()
     run["sessions"][-1]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    command = train_command(out, recipe)
     report = {
-        "command": train_command(out, recipe),
+        "command": command + (f" --init {started['dir']}" if started and not command.startswith("no ") else ""),
         "recipe": asdict(recipe),
         "shape": asdict(shape),
         "parameters": {"total": total, "active_per_token": active},
@@ -554,15 +618,20 @@ def train_demo(out: Path, recipe: Recipe = Recipe(), shape: DemoShape = DemoShap
                     "ar": [round(x, 4) for x in lg.ar], "bd": [round(x, 4) for x in lg.bd],
                     "load_average": [round(x, 2) for x in lg.load], "tokens_seen": lg.tokens,
                     "seconds": round(lg.seconds, 1), "cpu_seconds": round(lg.cpu_seconds, 1)}
-                   for p, lg in zip(plan, logs, strict=True)],
+                   for p, lg in zip(plan[skip:], logs, strict=True)],
         "seconds": {"tokenizer": run["tokenizer_seconds"], "training": round(sum(lg.seconds for lg in logs), 1),
                     "training_cpu": round(sum(lg.cpu_seconds for lg in logs), 1)},
         "sessions": run["sessions"],
         **({"extended": run["extended"]} if "extended" in run else {}),
+        # the checkpoint the run started from: its command, recipe, phases (loss curves), time and sessions
+        **({"init": started} if started else {}),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "torch": torch.__version__},
     }
     report["seconds"]["total"] = round(report["seconds"]["tokenizer"] + report["seconds"]["training"], 1)
+    if started:  # what making the checkpoint took: the one it started from, then this run
+        report["seconds_this_run"] = report["seconds"]
+        report["seconds"] = {k: round(v + started["seconds"][k], 1) for k, v in report["seconds"].items()}
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     shutil.rmtree(state_dir)
     return report

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from clover_batch.jobs.demo_model import Recipe
+from clover_batch.jobs.demo_model import RECIPES, Recipe
 from clover_batch.model.options import DecodeOptions
 from rich.console import Console
 from rich.table import Table
@@ -267,10 +267,17 @@ def train_demo_command(
     bd_steps: Annotated[int | None, typer.Option(
         help=f"Phase 2 steps: block diffusion from the phase-1 weights, with {Recipe.bd_ar_weight} of the "
              f"autoregressive loss kept (recipe: {Recipe.bd_steps}).")] = None,
+    polish_steps: Annotated[int | None, typer.Option(
+        help=f"Phase 3 steps: block diffusion again, at {Recipe.polish_lr} with the whole autoregressive loss; 0 "
+             f"leaves it out (recipe 'polish': {RECIPES['polish'].polish_steps}, others 0).")] = None,
     recipe_name: Annotated[str | None, typer.Option("--recipe", help=(
-        "Preset recipe the step options change: 'default' (the committed checkpoint's) or 'look-up' (phases 1c-1e "
-        "teach the GDN heads to look a fact up, docs/models.md). With --resume: go on under it from a save at a "
-        "phase's end, where it differs only in phases the run has not started."))] = None,
+        "Preset recipe the step options change: 'default' (phases 1, 1b, 2), 'polish' (the default and phase 3, "
+        "the committed checkpoint's) or 'look-up' (phases 1c-1e teach the GDN heads to look a fact up, "
+        "docs/models.md). With --resume: go on under it from a save at a phase's end, where it differs only in "
+        "phases the run has not started."))] = None,
+    init: Annotated[Path | None, typer.Option(
+        help="Start from the checkpoint train-demo made in this directory, whose phases are the first of the "
+             "recipe's, and train only the recipe's later phases.")] = None,
     threads: Annotated[int, typer.Option(help="CPU threads for training (on a busy machine 1 is faster).")] = 2,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a checkpoint already in --out.")] = False,
     resume: Annotated[Path | None, typer.Option(
@@ -282,7 +289,7 @@ def train_demo_command(
     import dataclasses
     import logging
 
-    from clover_batch.jobs.demo_model import RECIPES, train_demo
+    from clover_batch.jobs.demo_model import train_demo
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     with _clean_errors():
@@ -295,14 +302,21 @@ def train_demo_command(
             recipe = dataclasses.replace(recipe, long_steps=long_steps)
         if bd_steps is not None:
             recipe = dataclasses.replace(recipe, bd_steps=bd_steps)
-        if resume is not None and recipe_name is None and any(x is not None for x in (ar_steps, long_steps, bd_steps)):
-            raise CommandError("--resume continues a run with its own recipe: --ar-steps, --long-steps and "
-                               "--bd-steps apply only with --recipe (to go on under another recipe)")
+        if polish_steps is not None:
+            recipe = dataclasses.replace(recipe, polish_steps=polish_steps)
+        steps = (ar_steps, long_steps, bd_steps, polish_steps)
+        if resume is not None and recipe_name is None and any(x is not None for x in steps):
+            raise CommandError("--resume continues a run with its own recipe: --ar-steps, --long-steps, "
+                               "--bd-steps and --polish-steps apply only with --recipe (to go on under another "
+                               "recipe)")
+        if resume is not None and init is not None:
+            raise CommandError("--init starts a new run; --resume goes on with a run from where it started")
         try:
             if resume is not None:
                 out = resume
             report = train_demo(out, recipe, overwrite=overwrite, resume=resume is not None, threads=threads,
-                                extend=recipe if resume is not None and recipe_name is not None else None)
+                                extend=recipe if resume is not None and recipe_name is not None else None,
+                                init=init)
         except (FileExistsError, FileNotFoundError, ValueError) as e:
             raise CommandError(str(e)) from None
     size = (out / "model.safetensors").stat().st_size

@@ -51,6 +51,7 @@ import dataclasses
 import itertools
 import logging
 import posixpath
+import re
 from dataclasses import dataclass
 
 import pymupdf
@@ -178,6 +179,19 @@ def clean(text: str) -> str:
         return text
     except UnicodeEncodeError:
         return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+_LINE_END_SPACE = re.compile(r"[ \t]+(?=\n)")
+
+
+def tidy_lines(text: str) -> str:
+    """`text` without the spaces and tabs that end its lines, and stripped. pymupdf4llm ends nearly every line of
+    its Markdown with a space, and MuPDF's plain text some: they carry nothing, cost tokens, and make a PDF's text
+    read to a model unlike the same text typed (the demo model, trained on typed text, wrote an invoice's buyer as
+    "Silverline Textiles SRL" from the PDF's parse and "Silverline Energy AG", right, from the same parse without
+    them). Applied to a paged document's joined text (`join_ranges`), so the ranges' join still equals the whole
+    document's."""
+    return _LINE_END_SPACE.sub("", text).strip()
 
 
 def markdown_reference(doc: pymupdf.Document) -> str:
@@ -364,7 +378,8 @@ def join_ranges(fmt: str, count: int, ranges: list[RangeText], *, ocr: str = "au
         sources[r.mode] += r.stop - r.first - r.ocr_pages
     has_ocr, layer = any(r.ocr_pages for r in ranges), any(r.layer for r in ranges)
     source = "text" if fmt != "pdf" else "mixed" if has_ocr and layer else "ocr" if has_ocr else "text"
-    return Parsed(fmt, "ok", text="".join(parts).strip(), pages=count, text_source=source, page_sources=sources)
+    return Parsed(fmt, "ok", text=tidy_lines("".join(parts)), pages=count, text_source=source,
+                  page_sources=sources)
 
 
 def _parse_paged(fmt: str, data: bytes, max_pages: int | None, *, pdf_text: str, ocr: str,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pymupdf
 import pytest
 from clover_batch.pipeline.page_ranges import PAGES_PER_TASK, page_ranges, parse_document, parse_ranges
-from clover_batch.pipeline.parse import clean, markdown_reference, parse_range
+from clover_batch.pipeline.parse import clean, markdown_reference, parse_range, tidy_lines
 from clover_batch.pipeline.parse_process import LAYOUT_THREADS_ENV, IsolatedParser, shared_parser
 from long_docs import book_pdf
 
@@ -30,12 +30,12 @@ FAULT_DOC_ENV = "CLOVER_BATCH_FAULT_DOC"
 
 def reference(data: bytes) -> str:
     with pymupdf.open(stream=data, filetype="pdf") as doc:
-        return clean(markdown_reference(doc).strip())
+        return tidy_lines(clean(markdown_reference(doc)))
 
 
 def plain_pages(data: bytes, first: int, stop: int) -> str:
     with pymupdf.open(stream=data, filetype="pdf") as doc:
-        return "\n\n".join(t.strip() for t in (doc[n].get_text() for n in range(first, stop)) if t.strip())
+        return tidy_lines("\n\n".join(t.strip() for t in (doc[n].get_text() for n in range(first, stop)) if t.strip()))
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_a_range_that_hangs_or_crashes_in_markdown_falls_back_to_plain_text_alon
         head, tail = (pymupdf4llm.to_markdown(doc, pages=pages, use_ocr=False, show_progress=False)
                       for pages in (list(range(5)), [10, 11]))
     tail = tail.replace("# Section", "## Section")
-    assert got.text == (head + plain_pages(book12, 5, 10) + "\n\n" + tail).strip()
+    assert got.text == tidy_lines(head + plain_pages(book12, 5, 10) + "\n\n" + tail)
 
 
 def test_a_range_that_fails_twice_fails_the_document_naming_the_range(book12, faults):
