@@ -149,7 +149,9 @@ class Recipe:
     noise_copies: int = 2
     # phase 3, polish: block diffusion again from phase 2's weights, on its own documents, at a lower rate and with
     # the whole autoregressive loss (the trunk's copying is what the example jobs' answers are); the preview trains
-    # beside it, so it keeps drafting for the trunk it verifies against. 0 steps leaves it out
+    # beside it, so it keeps drafting for the trunk it verifies against. It starts from phase 2's weights rounded to
+    # bf16, as phase 2's checkpoint holds them, so `--init` from that checkpoint and a run from the start end
+    # alike. 0 steps leaves it out
     polish_steps: int = 0
     polish_lr: float = 3e-4
     polish_warmup: int = 20
@@ -410,7 +412,8 @@ def phases(recipe: Recipe):
         out.append(Phase(POLISH_PHASE, TrainOptions(steps=recipe.polish_steps, lr=recipe.polish_lr,
                                                     warmup=recipe.polish_warmup, eps=recipe.eps,
                                                     noise_copies=recipe.noise_copies,
-                                                    ar_weight=recipe.polish_ar_weight, bd_weight=1.0, **common)))
+                                                    ar_weight=recipe.polish_ar_weight, bd_weight=1.0,
+                                                    bf16_start=True, **common)))
     if not out:
         raise ValueError("the recipe has no training steps (ar_steps, long_steps and bd_steps are all 0)")
     return out
@@ -517,8 +520,8 @@ def train_demo(out: Path, recipe: Recipe = Recipe(), shape: DemoShape = DemoShap
     instead, which may add or change only phases the run has not started, from a save at a phase's end (the
     recipe is then the run's, in OUT/resume/run.json and training.json). init: start from the checkpoint train-demo
     made there, whose phases are the first of `recipe` (`_init_from`): its tokenizer and weights (as saved, bf16),
-    then `recipe`'s later phases; a run from the start with the same recipe trains those on its fp32 weights, so it
-    ends near these, not bit-equal. threads: CPU threads (default: the recipe's; a
+    then `recipe`'s later phases (phase 3 starts from bf16-rounded weights in a run from the start too, so that
+    run ends with the same weights). threads: CPU threads (default: the recipe's; a
     resumed session may use another count). on_log(phase, step, model, pair maker): called at every logged step
     (bench/demo_recipes.py probes the model there); it must leave the model as it found it.
     """

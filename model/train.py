@@ -474,6 +474,9 @@ class TrainOptions:
     # lies further back, so only the GDN state can carry it: how the demo's look-up is learned (docs/models.md).
     # Autoregressive phases only; the checkpoint keeps the model's window.
     window_tokens: int = 0
+    # the phase starts from its weights rounded to bf16, as a checkpoint of the phases before it holds them (saved
+    # bf16): a run from the start and one from that checkpoint (`train-demo --init`) train it from the same weights
+    bf16_start: bool = False
 
     def __post_init__(self) -> None:
         if self.slow_heads < 0 or not 0 < self.slow_dt < 1:
@@ -611,6 +614,10 @@ def train_phases(model: CloverModel, phases: list[Phase], batches: Callable[[int
             continue
         if options.slow_heads and start_step == 0:  # a resumed phase has them in its saved weights
             set_slow_heads(model, options.slow_heads, options.slow_dt)
+        if options.bf16_start and start_step == 0:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.to(torch.bfloat16))
         it = iter(batches(k))
         for _ in range(start_step):  # replay the stream to where the saved run was
             next(it)

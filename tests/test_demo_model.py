@@ -521,7 +521,8 @@ def test_a_run_stopped_at_a_phase_end_goes_on_under_a_recipe_that_adds_phases(tm
 
 def test_a_checkpoint_goes_on_with_the_recipes_later_phases_from_init(tmp_path, one_thread):
     """train_demo(init=DIR): a checkpoint made by train-demo goes on with the later phases of a recipe whose first
-    phases are its own (here phase 3, polish): its tokenizer, its weights, then only the new phase; training.json
+    phases are its own (here phase 3, polish): its tokenizer, its weights, then only the new phase, ending with the
+    weights of the same recipe run from the start; training.json
     keeps the checkpoint it started from (command, recipe, loss curves, the weights' digest). An interrupted such run
     resumes to the same weights. A recipe that changes a phase the checkpoint trained, or adds nothing after them, or
     --init with --resume, is refused with the reason."""
@@ -550,6 +551,13 @@ def test_a_checkpoint_goes_on_with_the_recipes_later_phases_from_init(tmp_path, 
     assert (tmp_path / "pol" / "tokenizer.json").read_bytes() == (tmp_path / "base" / "tokenizer.json").read_bytes()
     a, b = load_file(tmp_path / "base" / "model.safetensors"), load_file(tmp_path / "pol" / "model.safetensors")
     assert a.keys() == b.keys() and not all(torch.equal(a[k], b[k]) for k in a)
+    # the same recipe from the start ends with the same weights (phase 3 starts from bf16-rounded weights in both)
+    scratch = train_demo(tmp_path / "scratch", polished, shape)
+    c = load_file(tmp_path / "scratch" / "model.safetensors")
+    assert all(torch.equal(b[k], c[k]) for k in b)
+    assert scratch["phases"][:2] == [{**p, **{k: q[k] for k in ("seconds", "cpu_seconds", "load_average")}}
+                                     for p, q in zip(first["phases"], scratch["phases"], strict=False)]
+    assert scratch["phases"][2]["loss"] == report["phases"][0]["loss"]
 
     class Killed(Exception):
         pass
