@@ -610,9 +610,9 @@ def train_demo(out: Path, recipe: Recipe = Recipe(), shape: DemoShape = DemoShap
     save_checkpoint(model.to(torch.bfloat16), out)
     total, active = config.parameter_counts()
     run["sessions"][-1]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
-    command = train_command(out, recipe)
     report = {
-        "command": command + (f" --init {started['dir']}" if started and not command.startswith("no ") else ""),
+        # with --init too: phase 3's bf16 start makes a run from the start end with the same weights
+        "command": train_command(out, recipe),
         "recipe": asdict(recipe),
         "shape": asdict(shape),
         "parameters": {"total": total, "active_per_token": active},
